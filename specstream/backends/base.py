@@ -1,0 +1,207 @@
+"""The transfer interface: how KV bytes move between host memory and the device.
+
+The engine (KV manager, round executor) only sees `TransferBackend` and `TransferHandle`; streams,
+events, pinned memory and worker threads live in one module per device (`cpu.py`, `cuda.py`).
+Restores (host to device, `h2d`) have priority over write-backs (device to host, `d2h`), because
+a restore is on the critical path of the current round and a write-back is not.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar, NamedTuple, TypeVar
+
+import torch
+from torch import Tensor
+
+H2D = "h2d"
+D2H = "d2h"
+
+
+class TransferError(RuntimeError):
+    """A copy failed; `tag` is the opaque tag (e.g. a request id) it was submitted with."""
+
+    def __init__(self, tag: object, message: str) -> None:
+        super().__init__(message)
+        self.tag = tag
+
+
+class TransferRecord(NamedTuple):
+    """One finished copy, for stats and tracing (perf_counter timestamps, seconds)."""
+
+    start: float
+    end: float
+    direction: str  # H2D or D2H
+    nbytes: int
+    tag: object
+
+
+class TransferHandle(ABC):
+    """Event-like completion handle of one submitted copy."""
+
+    tag: object
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True once the copy finished (successfully or not); never blocks."""
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Make the caller's compute see the copied data; raise TransferError if it failed.
+
+        On CPU this blocks the calling thread; on CUDA it only orders the current stream after
+        the copy (no host sync), see `host_wait`.
+        """
+
+    def host_wait(self) -> None:
+        """Block the calling host thread until the copy finished; raise TransferError if failed."""
+        self.wait()
+
+
+class TransferBackend(ABC):
+    """Copies between host tensors and device tensors, with priorities, stats and fault hooks.
+
+    Subclasses record each finished copy with `_record`, and consult `_should_fail(tag)` when a
+    copy is submitted. Failures are reported through the handle, never by killing a worker.
+    """
+
+    name: ClassVar[str] = "abstract"
+
+    def __init__(self, device: str, link_gbps: float | None = None) -> None:
+        if link_gbps is not None and link_gbps <= 0:
+            raise ValueError(f"link_gbps must be positive, got {link_gbps}")
+        self.device = device
+        self.link_gbps = link_gbps  # GB/s (1e9 bytes per second)
+        self._lock = threading.Lock()
+        self._records: list[TransferRecord] = []
+        self._fail_predicates: list[Callable[[object], bool]] = []
+
+    # -- copies ---------------------------------------------------------------------------------
+    @abstractmethod
+    def h2d(
+        self, dst: Tensor, src: Tensor, tag: object = None, *, after_compute: bool = True
+    ) -> TransferHandle:
+        """Copy host `src` into device `dst` (restore, high priority); returns at once.
+
+        `after_compute`: the copy starts only after the compute already queued by the caller
+        (needed when `dst` may still be read by it, e.g. a staging buffer being refilled).
+        """
+
+    @abstractmethod
+    def d2h(
+        self, dst: Tensor, src: Tensor, tag: object = None, *, after_compute: bool = True
+    ) -> TransferHandle:
+        """Copy device `src` into host `dst` (write-back, low priority: queued h2d goes first)."""
+
+    # -- memory ---------------------------------------------------------------------------------
+    @abstractmethod
+    def alloc_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """Uninitialised host tensor suitable for fast copies (pinned on CUDA)."""
+
+    @abstractmethod
+    def alloc_device(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """Uninitialised tensor in device memory."""
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block until every copy submitted so far has finished (failures stay in the handles)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish queued copies and release workers/streams; safe to call more than once."""
+
+    def __enter__(self) -> TransferBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- stats and tracing ----------------------------------------------------------------------
+    def _record(self, start: float, end: float, direction: str, nbytes: int, tag: object) -> None:
+        with self._lock:
+            self._records.append(TransferRecord(start, end, direction, nbytes, tag))
+
+    def _finished_records(self) -> list[TransferRecord]:
+        """Records of finished copies; backends with deferred timing override this."""
+        with self._lock:
+            return list(self._records)
+
+    def busy_intervals(self) -> list[TransferRecord]:
+        """Finished copies as (start, end, direction, nbytes, tag), sorted by start."""
+        return sorted(self._finished_records(), key=lambda r: r.start)
+
+    def stats(self) -> dict[str, float]:
+        """bytes_h2d, bytes_d2h, num_copies, and busy_s = length of the union of copy intervals."""
+        records = self.busy_intervals()
+        busy, cur_start, cur_end = 0.0, None, None
+        for r in records:  # sorted by start: sweep and merge overlapping intervals
+            if cur_end is None or r.start > cur_end:
+                if cur_end is not None and cur_start is not None:
+                    busy += cur_end - cur_start
+                cur_start, cur_end = r.start, r.end
+            else:
+                cur_end = max(cur_end, r.end)
+        if cur_end is not None and cur_start is not None:
+            busy += cur_end - cur_start
+        return {
+            "bytes_h2d": sum(r.nbytes for r in records if r.direction == H2D),
+            "bytes_d2h": sum(r.nbytes for r in records if r.direction == D2H),
+            "busy_s": busy,
+            "num_copies": len(records),
+        }
+
+    def reset_stats(self) -> None:
+        """Forget all finished-copy records."""
+        with self._lock:
+            self._records.clear()
+
+    # -- fault injection (tests) ----------------------------------------------------------------
+    def inject_failure(self, predicate: Callable[[object], bool]) -> None:
+        """Copies submitted from now on whose tag satisfies `predicate` fail with TransferError."""
+        with self._lock:
+            self._fail_predicates.append(predicate)
+
+    def clear_failures(self) -> None:
+        """Remove every injected failure predicate."""
+        with self._lock:
+            self._fail_predicates.clear()
+
+    def _should_fail(self, tag: object) -> bool:
+        with self._lock:
+            predicates = list(self._fail_predicates)
+        return any(p(tag) for p in predicates)
+
+
+_BackendT = TypeVar("_BackendT", bound=type[TransferBackend])
+_REGISTRY: dict[str, type[TransferBackend]] = {}
+
+
+def register_backend(name: str) -> Callable[[_BackendT], _BackendT]:
+    """Class decorator: make `make_backend(name)` build this class; returns the class unchanged."""
+
+    def decorate(cls: _BackendT) -> _BackendT:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"transfer backend {name!r} registered twice")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorate
+
+
+def available_backends() -> list[str]:
+    """Names accepted by `make_backend` (CUDA is listed even on machines without it)."""
+    import specstream.backends  # noqa: F401  (importing the package registers the built-ins)
+
+    return sorted(_REGISTRY)
+
+
+def make_backend(device: str, link_gbps: float | None = None) -> TransferBackend:
+    """Build the backend for `device` ("cpu", "cuda", "cuda:1"); `link_gbps` throttles emulation."""
+    kind = device.split(":", 1)[0]
+    if kind not in available_backends():
+        raise ValueError(f"unknown transfer backend {kind!r}; known: {available_backends()}")
+    return _REGISTRY[kind](device, link_gbps)

@@ -1,0 +1,71 @@
+"""The attention context of one target forward pass: KV writes plus tiered, exact attention.
+
+For each request the queries of the step attend over (host history pieces, from the step's
+history source) + (resident tail and the new tokens, causal among themselves); partial results
+merge through online softmax, so the output equals full attention whatever the split.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specstream.attention import AttentionAccumulator, causal_mask, partial_attention
+from specstream.backends.base import TransferError
+from specstream.engine.history import HistorySource
+from specstream.engine.scheduler import StepPlan
+from specstream.kvcache.storage import KVStore
+
+
+class StepAttention:
+    """Implements the model's ``AttentionContext`` for one step."""
+
+    def __init__(self, plan: StepPlan, store: KVStore, history: HistorySource) -> None:
+        self.plan, self.store, self.history = plan, store, history
+        self.scale = store.cfg.head_dim**-0.5
+        bs = store.block_size
+        blocks, offsets, self.rows, self.tails = [], [], [], []
+        row = 0
+        for s in plan.seqs:
+            n = len(s.token_ids)
+            for t in range(s.start_pos, s.start_pos + n):
+                rel = t - s.host_tokens
+                blocks.append(s.device_blocks[rel // bs])
+                offsets.append(rel % bs)
+            self.rows.append((row, row + n))
+            self.tails.append(
+                (torch.tensor(s.device_blocks, dtype=torch.long), s.start_pos + n - s.host_tokens)
+            )
+            row += n
+        device = store.device.device
+        self.slot_blocks = torch.tensor(blocks, dtype=torch.long, device=device)
+        self.slot_offsets = torch.tensor(offsets, dtype=torch.long, device=device)
+        self.tails = [(b.to(device), n) for b, n in self.tails]
+        self.failed: dict[str, str] = {}
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> torch.Tensor:
+        self.store.write(layer, self.slot_blocks, self.slot_offsets, k, v)
+        out = torch.empty_like(q)
+        for i, seq in enumerate(self.plan.seqs):
+            lo, hi = self.rows[i]
+            qi = q[lo:hi]
+            acc = AttentionAccumulator()
+            try:
+                for hk, hv in self.history.pieces(layer, i):
+                    acc.add(*partial_attention(qi, hk, hv, self.scale))
+            except TransferError as exc:
+                self.failed.setdefault(seq.request_id, f"KV restore failed: {exc}")
+            if seq.request_id in self.failed:
+                out[lo:hi] = 0
+                continue
+            blocks, tail_len = self.tails[i]
+            tk, tv = self.store.gather(layer, blocks, tail_len)
+            mask = causal_mask(hi - lo, tail_len, device=q.device)
+            acc.add(*partial_attention(qi, tk, tv, self.scale, mask))
+            out[lo:hi] = acc.result(q.dtype)
+        return out

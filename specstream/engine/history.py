@@ -1,0 +1,203 @@
+"""How host history reaches attention in one step: not at all, whole layers, or streamed chunks.
+
+- ``restore`` (the offloading baseline): before a layer attends, that layer's whole history of
+  the batch is on the device; the next layer's restore is issued while this one computes, so the
+  link never waits on a competent schedule, but attention waits for the whole layer.
+- ``stream`` (SpecStream): every (layer, request, chunk) copy is queued up front through a fixed
+  ring of staging buffers; attention starts on the first chunk that lands and each chunk serves
+  all query positions of its request; a buffer is refilled only after the attention reading it
+  has finished. Device memory for history stays fixed whatever the history length.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from specstream.backends.base import TransferError, TransferHandle
+from specstream.engine.scheduler import StepPlan
+from specstream.kvcache.storage import KVStore
+
+Piece = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_tokens, num_kv_heads, head_dim]
+
+_SOURCES: dict[str, type[HistorySource]] = {}
+
+
+def register_source(name: str) -> Callable[[type[HistorySource]], type[HistorySource]]:
+    def deco(cls: type[HistorySource]) -> type[HistorySource]:
+        _SOURCES[name] = cls
+        return cls
+
+    return deco
+
+
+def make_source(
+    name: str, store: KVStore, chunk_tokens: int, staging_buffers: int
+) -> HistorySource:
+    return _SOURCES[name](store, chunk_tokens, staging_buffers)
+
+
+def _wait_all(handles: list[TransferHandle]) -> TransferError | None:
+    err = None
+    for h in handles:
+        try:
+            h.wait()
+        except TransferError as exc:
+            err = err or exc
+    return err
+
+
+class HistorySource(ABC):
+    """Yields the host-history pieces of (layer, request) in order; raises TransferError after
+    the request's pieces of that layer were consumed if one of its copies failed."""
+
+    def __init__(self, store: KVStore, chunk_tokens: int, staging_buffers: int) -> None:
+        self.store = store
+        self.chunk_tokens = chunk_tokens
+        self.staging_buffers = staging_buffers
+        self.peak_bytes = 0  # device bytes this source held at most
+
+    def begin(self, plan: StepPlan) -> None:  # noqa: B027
+        """Issue what can be issued before the forward pass."""
+
+    @abstractmethod
+    def pieces(self, layer: int, index: int) -> Iterator[Piece]:
+        """History pieces of request ``plan.seqs[index]`` at ``layer``."""
+
+    def end(self) -> None:  # noqa: B027
+        """Drop per-step buffers."""
+
+
+@register_source("none")
+class NoHistory(HistorySource):
+    def pieces(self, layer: int, index: int) -> Iterator[Piece]:
+        return iter(())
+
+
+@register_source("restore")
+class LayerRestore(HistorySource):
+    """Whole-layer restore with one layer of prefetch (two layer buffers)."""
+
+    def begin(self, plan: StepPlan) -> None:
+        self.plan = plan
+        self.offsets: list[int] = []
+        total = 0
+        for s in plan.seqs:
+            self.offsets.append(total)
+            total += sum(len(c) for c in s.restore_chunks)
+        self.total_blocks = total
+        self.buffers: list[torch.Tensor] = []
+        self.handles: dict[int, list[list[TransferHandle]]] = {}
+        self.restored_layer = -1
+        self.errors: list[TransferError | None] = []
+        if total:
+            cfg, bs = self.store.cfg, self.store.block_size
+            shape = (2, total, bs, cfg.num_kv_heads, cfg.head_dim)
+            alloc = self.store.backend.alloc_device
+            self.buffers = [alloc(shape, self.store.dtype) for _ in range(2)]
+            self.peak_bytes = max(self.peak_bytes, 2 * total * bs * self.store.layer_token_bytes)
+            self._issue(0)
+
+    def _issue(self, layer: int) -> None:
+        if layer >= self.store.cfg.num_layers or not self.total_blocks:
+            return
+        buf = self.buffers[layer % 2]
+        per_seq = []
+        for s, off in zip(self.plan.seqs, self.offsets):
+            blocks = tuple(b for c in s.restore_chunks for b in c)
+            dst = buf[:, off : off + len(blocks)]
+            per_seq.append(self.store.restore(layer, blocks, dst, s.request_id) if blocks else [])
+        self.handles[layer] = per_seq
+
+    def pieces(self, layer: int, index: int) -> Iterator[Piece]:
+        seq = self.plan.seqs[index]
+        if not seq.host_tokens:
+            return
+        if self.restored_layer != layer:
+            # full restore of the layer before any attention on it; then prefetch the next one
+            self.errors = [_wait_all(h) for h in self.handles.pop(layer)]
+            self.restored_layer = layer
+            self._issue(layer + 1)
+        error = self.errors[index]
+        if error is not None:
+            raise error
+        buf = self.buffers[layer % 2]
+        off = self.offsets[index]
+        n = seq.host_tokens // self.store.block_size
+        cfg = self.store.cfg
+        k = buf[0, off : off + n].reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = buf[1, off : off + n].reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        yield k, v
+
+    def end(self) -> None:
+        self.buffers, self.handles = [], {}
+
+
+@dataclass
+class _Job:
+    layer: int
+    index: int
+    blocks: tuple[int, ...]
+    tag: object
+    slot: int = -1
+    handles: tuple[TransferHandle, ...] = ()
+
+
+@register_source("stream")
+class ChunkStream(HistorySource):
+    """All chunk copies of the step, layer-major, through a ring of staging buffers."""
+
+    def __init__(self, store: KVStore, chunk_tokens: int, staging_buffers: int) -> None:
+        super().__init__(store, chunk_tokens, staging_buffers)
+        cfg = store.cfg
+        blocks = chunk_tokens // store.block_size
+        shape = (2, blocks, store.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.ring = [store.backend.alloc_device(shape, store.dtype) for _ in range(staging_buffers)]
+        self.ring_bytes = staging_buffers * chunk_tokens * store.layer_token_bytes
+
+    def begin(self, plan: StepPlan) -> None:
+        self.jobs: deque[_Job] = deque(
+            _Job(layer, i, chunk, s.request_id)
+            for layer in range(self.store.cfg.num_layers)
+            for i, s in enumerate(plan.seqs)
+            for chunk in s.restore_chunks
+        )
+        self.pending: deque[_Job] = deque()  # issued, not consumed, in order
+        self.free_slots = deque(range(len(self.ring)))
+        if self.jobs:
+            self.peak_bytes = self.ring_bytes
+        self._fill()
+
+    def _fill(self) -> None:
+        while self.free_slots and self.jobs:
+            job = self.jobs.popleft()
+            job.slot = self.free_slots.popleft()
+            job.handles = tuple(
+                self.store.restore(job.layer, job.blocks, self.ring[job.slot], job.tag)
+            )
+            self.pending.append(job)
+
+    def pieces(self, layer: int, index: int) -> Iterator[Piece]:
+        cfg = self.store.cfg
+        error: TransferError | None = None
+        while self.pending and (self.pending[0].layer, self.pending[0].index) == (layer, index):
+            job = self.pending.popleft()
+            err = _wait_all(list(job.handles))
+            if err is None and error is None:
+                n = len(job.blocks)
+                buf = self.ring[job.slot]
+                yield (buf[0, :n].reshape(-1, cfg.num_kv_heads, cfg.head_dim),
+                       buf[1, :n].reshape(-1, cfg.num_kv_heads, cfg.head_dim))
+            error = error or err
+            # the attention on this buffer has finished: refill it with the next chunk
+            self.free_slots.append(job.slot)
+            self._fill()
+        if error is not None:
+            raise error
+
+    def end(self) -> None:
+        assert not self.pending and not self.jobs, "stream left chunks unconsumed"

@@ -1,0 +1,278 @@
+"""The engine: schedule, run the round, postprocess; plus request bookkeeping and metrics."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+from specstream.backends import limit_compute_threads, make_backend
+from specstream.config import EngineConfig
+from specstream.engine.executor import Executor
+from specstream.engine.history import make_source
+from specstream.engine.request import CompletionOutput, Request, RequestOutput
+from specstream.engine.scheduler import Scheduler, SeqWork, StepPlan, StepResult
+from specstream.kvcache.manager import KVManager, OffloadPolicy
+from specstream.kvcache.storage import KVStore
+from specstream.models.loader import load_model, resolve_dtype
+from specstream.sampling import make_generator
+from specstream.sampling_params import SamplingParams
+from specstream.spec import make_proposer
+from specstream.spec.draft import DraftModelProposer
+from specstream.spec.proposer import Proposer, ProposeRequest
+from specstream.tokenizer import Tokenizer
+
+
+class LLMEngine:
+    """Continuous-batching engine over one target model (and optionally a proposer)."""
+
+    def __init__(self, model: str | Path, config: EngineConfig) -> None:
+        self.config = config
+        device = config.device
+        if device.startswith("cpu") and config.compute_threads is not None:
+            limit_compute_threads(config.compute_threads)
+        self.dtype = resolve_dtype(config.dtype, device)
+        self.model = load_model(model, self.dtype, device)
+        self.model_config = self.model.config
+        self.tokenizer = _maybe_tokenizer(model)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.max_model_len = self.model_config.max_position_embeddings
+        self.backend = make_backend(device.split(":")[0], link_gbps=config.link_gbps)
+        mode = config.mode_spec
+        block_bytes = (config.block_size
+                       * self.model_config.kv_bytes_per_token(self.dtype.itemsize))
+        layer_token_bytes = block_bytes // (config.block_size * self.model_config.num_layers)
+        budget = config.device_budget
+        reserve = {"none": 0, "restore": budget // 2,
+                   "stream": config.staging_buffers * config.chunk_tokens * layer_token_bytes}
+        history_reserve = reserve[mode.history]
+        num_device_blocks = (budget - history_reserve) // block_bytes
+        if num_device_blocks < 2:
+            raise ValueError(
+                f"device_kv_bytes={budget} leaves {num_device_blocks} KV blocks of "
+                f"{block_bytes} bytes after {history_reserve} bytes of staging; raise it"
+            )
+        num_host_blocks = config.host_kv_bytes // block_bytes if mode.offload else 0
+        policy = OffloadPolicy(
+            offload=mode.offload,
+            resident_tail_tokens=config.resident_tail_tokens,
+            offload_after_tokens=config.offload_after_tokens,
+            chunk_tokens=config.chunk_tokens,
+        )
+        self.kv = KVManager(config.block_size, num_device_blocks, num_host_blocks, policy)
+        self.store = KVStore(self.model_config, self.dtype, config.block_size,
+                             num_device_blocks, num_host_blocks, self.backend)
+        self.history = make_source(mode.history, self.store, config.chunk_tokens,
+                                   config.staging_buffers)
+        cap = history_reserve // (2 * layer_token_bytes) if mode.history == "restore" else None
+        self.scheduler = Scheduler(config, self.kv, restore_token_cap=cap)
+        self.executor = Executor(self.model, self.store, self.backend, self.history)
+        self.proposer = self._make_proposer() if config.speculative else None
+        self._ids = itertools.count()
+        self.counters = {"steps": 0, "decode_steps": 0, "prompt_tokens": 0,
+                         "generated_tokens": 0, "proposed_tokens": 0, "accepted_tokens": 0,
+                         "rounds": 0}
+        self.draft_s = 0.0
+
+    def _make_proposer(self) -> Proposer:
+        cfg = self.config
+        if cfg.proposer == "ngram":
+            return make_proposer("ngram")
+        assert cfg.draft_model is not None
+        draft = load_model(cfg.draft_model, self.dtype, cfg.device)
+        if draft.config.vocab_size != self.model_config.vocab_size:
+            raise ValueError(
+                f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
+                f"({self.model_config.vocab_size})"
+            )
+        return DraftModelProposer(draft, cfg.draft_cache, cfg.draft_window_tokens,
+                                  cfg.draft_sink_tokens, cfg.num_speculative_tokens)
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"= {total} exceeds the model's context of {self.max_model_len} tokens"
+            )
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self.scheduler.requests:
+            raise ValueError(f"duplicate request id {rid!r}")
+        req = Request(rid, [int(t) for t in prompt_token_ids], params,
+                      generator=make_generator(params, self.config.device))
+        self.scheduler.add(req)
+        self.counters["prompt_tokens"] += len(prompt_token_ids)
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.scheduler.requests.get(request_id)
+        if req is not None and not req.finished:
+            self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        result = self.executor.run(plan)
+        return self._postprocess(plan, result)
+
+    def _postprocess(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        self.scheduler.complete_writebacks(plan)
+        self.counters["steps"] += 1
+        if any(s.sample and not _is_prefill(s) for s in plan.seqs):
+            self.counters["decode_steps"] += 1
+        touched: list[Request] = []
+        for work in plan.seqs:
+            req = self.scheduler.requests[work.request_id]
+            if req.finished:
+                continue
+            touched.append(req)
+            if work.request_id in result.errors:
+                self._finish(req, "error", result.errors[work.request_id])
+                continue
+            new = result.new_tokens.get(work.request_id, [])
+            if work.sample:
+                self._count_round(req, work, len(new))
+            self.scheduler.commit(work, req, len(new))
+            self._append(req, new)
+        for rid, msg in result.errors.items():  # write-back failures of requests not in plan
+            req = self.scheduler.requests.get(rid)
+            if req is not None and not req.finished:
+                self._finish(req, "error", msg)
+                touched.append(req)
+        if self.proposer is not None:
+            self._propose()
+        return [self._output(r) for r in touched]
+
+    def _count_round(self, req: Request, work: SeqWork, num_new: int) -> None:
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+            return  # the prefill's first token is not a verification round
+        req.num_rounds += 1
+        req.num_proposed += work.num_drafts
+        req.num_accepted += num_new - 1
+        self.counters["rounds"] += 1
+        self.counters["proposed_tokens"] += work.num_drafts
+        self.counters["accepted_tokens"] += num_new - 1
+
+    def _append(self, req: Request, new: list[int]) -> None:
+        params = req.params
+        for tok in new:
+            req.output_token_ids.append(tok)
+            self.counters["generated_tokens"] += 1
+            if tok in params.stop_token_ids or (tok in self.eos_token_ids
+                                                and not params.ignore_eos):
+                return self._finish(req, "stop")
+            if params.stop and self.tokenizer is not None:
+                text = self.tokenizer.decode(req.output_token_ids)
+                hits = [text.find(s) for s in params.stop if s in text]
+                if hits:
+                    req.output_text = text[: min(hits)]
+                    return self._finish(req, "stop")
+            if len(req.output_token_ids) >= params.max_tokens:
+                return self._finish(req, "length")
+        if self.proposer is not None:
+            self.proposer.rollback(req.request_id, req.num_tokens - 1)
+        req.draft_token_ids, req.draft_probs = [], None
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        if req.output_text == "" and self.tokenizer is not None and reason != "error":
+            req.output_text = self.tokenizer.decode(req.output_token_ids)
+        req.finish_time = time.perf_counter()
+        self.scheduler.finish(req, reason, error)
+        if self.proposer is not None:
+            self.proposer.free(req.request_id)
+
+    def _propose(self) -> None:
+        assert self.proposer is not None
+        batch = []
+        for req in self.scheduler.running:
+            if req.in_prefill or req.finished:
+                continue
+            q = req.params.num_speculative_tokens
+            q = self.config.num_speculative_tokens if q is None else q
+            room = min(req.params.max_tokens - len(req.output_token_ids),
+                       self.max_model_len - req.num_tokens) - 1
+            q = max(0, min(q, room))
+            if q:
+                batch.append(ProposeRequest(req.request_id, req.all_token_ids, q, req.params))
+        if not batch:
+            return
+        t0 = time.perf_counter()
+        proposals = self.proposer.propose(batch)
+        self.draft_s += time.perf_counter() - t0
+        for pr, prop in zip(batch, proposals):
+            req = self.scheduler.requests[pr.request_id]
+            req.draft_token_ids = list(prop.token_ids)
+            req.draft_probs = prop.probs
+
+    # ---- outputs and metrics ------------------------------------------------------------
+    def _output(self, req: Request) -> RequestOutput:
+        text = req.output_text
+        if not req.finished and self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_token_ids)
+        comp = CompletionOutput(
+            index=0, text=text, token_ids=list(req.output_token_ids),
+            finish_reason=req.finish_reason, num_proposed_tokens=req.num_proposed,
+            num_accepted_tokens=req.num_accepted, num_rounds=req.num_rounds, error=req.error,
+        )
+        metrics = {"arrival_time": req.arrival_time}
+        if req.first_token_time is not None:
+            metrics["ttft_s"] = req.first_token_time - req.arrival_time
+        if req.finish_time is not None and req.first_token_time is not None:
+            n = max(1, len(req.output_token_ids) - 1)
+            metrics["tpot_s"] = (req.finish_time - req.first_token_time) / n
+        return RequestOutput(req.request_id, None, list(req.prompt_token_ids), [comp],
+                             req.finished, metrics)
+
+    def get_metrics(self) -> dict[str, float]:
+        c = dict(self.counters)
+        link = self.backend.stats()
+        block_bytes = self.store.block_bytes
+        c.update({
+            "mode": self.config.mode,  # type: ignore[dict-item]
+            "device_kv_budget_bytes": self.config.device_budget,
+            "device_kv_peak_bytes": self.kv.device.peak_used * block_bytes
+            + self.history.peak_bytes,
+            "host_kv_peak_bytes": self.kv.host.peak_used * block_bytes,
+            "device_kv_used_bytes": self.kv.device.num_used * block_bytes,
+            "host_kv_used_bytes": self.kv.host.num_used * block_bytes,
+            "link_bytes_h2d": link["bytes_h2d"],
+            "link_bytes_d2h": link["bytes_d2h"],
+            "link_busy_s": link["busy_s"],
+            "compute_s": self.executor.compute_s,
+            "draft_s": self.draft_s,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "max_concurrency": self.scheduler.max_concurrency,
+        })
+        rounds, proposed = c["rounds"], c["proposed_tokens"]
+        c["acceptance_rate"] = c["accepted_tokens"] / proposed if proposed else 0.0
+        c["mean_accepted_len"] = (c["accepted_tokens"] + rounds) / rounds if rounds else 0.0
+        return c
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def _is_prefill(s: SeqWork) -> bool:
+    return len(s.token_ids) - s.num_drafts > 1
+
+
+def _maybe_tokenizer(folder: str | Path) -> Tokenizer | None:
+    return Tokenizer(folder) if (Path(folder) / "tokenizer.json").is_file() else None
+

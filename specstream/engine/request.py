@@ -1,0 +1,87 @@
+"""A request's state as the scheduler sees it, and what the API hands back."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specstream.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    # Tokens whose KV is stored in the cache; the newest sampled token is never among them.
+    num_computed_tokens: int = 0
+    # Draft tokens proposed for the next round (verified together with the last token).
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), V] or None
+    finish_reason: str | None = None
+    error: str | None = None
+    output_text: str = ""
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_proposed: int = 0
+    num_accepted: int = 0
+    num_rounds: int = 0  # verification rounds (decode steps) this request took part in
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (vLLM-like)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
+    # Speculation counters of this request.
+    num_proposed_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_rounds: int = 0
+    error: str | None = None
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Mean tokens produced per verification round (accepted drafts + 1)."""
+        return len(self.token_ids) / self.num_rounds if self.num_rounds else 0.0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,192 @@
+"""Offload manager: which KV blocks of which request live where. Pure Python, no tensors.
+
+Every request's KV is a list of fixed-size blocks. The oldest full blocks may live in the host
+tier (``host_blocks``); the newest tokens, where new KV is written, live in device blocks (the
+resident tail, ``device_blocks``). Token ``t`` of a request is in ``host_blocks[t // B]`` when
+``t < host_tokens``, else in ``device_blocks[(t - host_tokens) // B]``.
+
+The manager plans movements; the transfer handler performs them:
+- ``plan_writeback``: once a request passes ``offload_after_tokens``, tail blocks beyond the
+  resident-tail budget are assigned host blocks (device to host copies);
+  ``complete_writeback`` frees the device blocks after the copies finished.
+- ``restore_chunks``: the host history cut into chunks of ``chunk_tokens`` for one step (the
+  executor restores each chunk layer by layer).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+class OutOfBlocks(RuntimeError):
+    """A tier has no free block for an allocation the caller should have checked."""
+
+
+class BlockAllocator:
+    """Free list of block ids of one tier, with usage peak."""
+
+    def __init__(self, num_blocks: int, tier: str) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"{tier} tier: num_blocks must be >= 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.tier = tier
+        self._free: deque[int] = deque(range(num_blocks))
+        self.peak_used = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"{self.tier} tier: need {n} blocks, {len(self._free)} free")
+        blocks = [self._free.popleft() for _ in range(n)]
+        self.peak_used = max(self.peak_used, self.num_used)
+        return blocks
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+
+
+@dataclass
+class SeqBlocks:
+    host_blocks: list[int] = field(default_factory=list)
+    device_blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0  # tokens whose KV is stored (host + device)
+    reserved_tokens: int = 0  # tokens the device blocks can hold beyond host_tokens
+
+
+@dataclass(frozen=True)
+class RestoreChunk:
+    """A run of host blocks restored together: tokens [start, start + num_tokens)."""
+
+    host_blocks: tuple[int, ...]
+    start: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    offload: bool  # False: everything stays on the device (resident mode)
+    resident_tail_tokens: int = 512
+    offload_after_tokens: int = 8192
+    chunk_tokens: int = 2048
+
+
+class KVManager:
+    """Block bookkeeping for both tiers."""
+
+    def __init__(
+        self, block_size: int, num_device_blocks: int, num_host_blocks: int, policy: OffloadPolicy
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        if policy.offload and policy.chunk_tokens % block_size:
+            raise ValueError(
+                f"chunk_tokens ({policy.chunk_tokens}) must be a multiple of "
+                f"block_size ({block_size})"
+            )
+        self.block_size = block_size
+        self.policy = policy
+        self.device = BlockAllocator(num_device_blocks, "device")
+        self.host = BlockAllocator(num_host_blocks, "host")
+        self.seqs: dict[str, SeqBlocks] = {}
+
+    # ---- queries ------------------------------------------------------------------------
+    def host_tokens(self, rid: str) -> int:
+        return len(self.seqs[rid].host_blocks) * self.block_size
+
+    def num_tokens(self, rid: str) -> int:
+        return self.seqs[rid].num_tokens if rid in self.seqs else 0
+
+    def device_blocks_needed(self, rid: str, num_new: int) -> int:
+        """Extra device blocks needed to append ``num_new`` tokens."""
+        seq = self.seqs.get(rid) or SeqBlocks()
+        tail = seq.num_tokens - len(seq.host_blocks) * self.block_size + num_new
+        return max(0, -(-tail // self.block_size) - len(seq.device_blocks))
+
+    def host_blocks_needed(self, total_tokens: int) -> int:
+        """Host blocks a request of ``total_tokens`` tokens eventually occupies (worst case)."""
+        if not self.policy.offload:
+            return 0
+        keep = self.policy.resident_tail_tokens
+        return max(0, (total_tokens - keep) // self.block_size)
+
+    def device_slots(self, rid: str, start: int, num: int) -> list[tuple[int, int]]:
+        """(device block, offset) of tokens [start, start + num), which must be in the tail."""
+        seq = self.seqs[rid]
+        base = len(seq.host_blocks) * self.block_size
+        out = []
+        for t in range(start, start + num):
+            rel = t - base
+            if rel < 0:
+                raise ValueError(f"token {t} of {rid} is in the host tier")
+            out.append((seq.device_blocks[rel // self.block_size], rel % self.block_size))
+        return out
+
+    # ---- allocation ---------------------------------------------------------------------
+    def allocate(self, rid: str, num_new: int) -> None:
+        """Reserve device blocks so ``num_new`` more tokens can be written."""
+        seq = self.seqs.setdefault(rid, SeqBlocks())
+        need = self.device_blocks_needed(rid, num_new)
+        seq.device_blocks.extend(self.device.allocate(need))
+
+    def commit(self, rid: str, num_tokens: int) -> None:
+        """Set the stored token count (after a step; smaller = roll back rejected drafts)."""
+        seq = self.seqs[rid]
+        host_tokens = len(seq.host_blocks) * self.block_size
+        if num_tokens < host_tokens:
+            raise ValueError(f"{rid}: cannot roll back into the host tier")
+        seq.num_tokens = num_tokens
+        keep = -(-(num_tokens - host_tokens) // self.block_size)
+        if len(seq.device_blocks) > keep:
+            self.device.free(seq.device_blocks[keep:])
+            del seq.device_blocks[keep:]
+
+    def free(self, rid: str) -> None:
+        seq = self.seqs.pop(rid, None)
+        if seq is not None:
+            self.device.free(seq.device_blocks)
+            self.host.free(seq.host_blocks)
+
+    # ---- movement plans -----------------------------------------------------------------
+    def plan_writeback(self, rid: str) -> list[tuple[int, int]]:
+        """(device block, host block) pairs to copy device to host; bookkeeping moves now.
+
+        The device blocks stay allocated until ``complete_writeback``. Only full blocks move,
+        and the tail keeps at least ``resident_tail_tokens`` tokens.
+        """
+        seq = self.seqs[rid]
+        p = self.policy
+        if not p.offload or seq.num_tokens <= p.offload_after_tokens:
+            return []
+        tail_tokens = seq.num_tokens - len(seq.host_blocks) * self.block_size
+        movable = (tail_tokens - p.resident_tail_tokens) // self.block_size
+        movable = min(movable, self.host.num_free)
+        if movable <= 0:
+            return []
+        host = self.host.allocate(movable)
+        moved = seq.device_blocks[:movable]
+        del seq.device_blocks[:movable]
+        seq.host_blocks.extend(host)
+        return list(zip(moved, host))
+
+    def complete_writeback(self, pairs: list[tuple[int, int]]) -> None:
+        self.device.free([d for d, _ in pairs])
+
+    def restore_chunks(self, rid: str) -> list[RestoreChunk]:
+        """The host history of ``rid`` in chunks of at most ``chunk_tokens`` tokens."""
+        seq = self.seqs.get(rid)
+        if seq is None or not seq.host_blocks:
+            return []
+        per_chunk = max(1, self.policy.chunk_tokens // self.block_size)
+        out = []
+        for i in range(0, len(seq.host_blocks), per_chunk):
+            blocks = tuple(seq.host_blocks[i : i + per_chunk])
+            out.append(RestoreChunk(blocks, i * self.block_size, len(blocks) * self.block_size))
+        return out

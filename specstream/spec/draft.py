@@ -1,0 +1,161 @@
+"""Draft-model proposer: a small LM with its own KV cache drafts q tokens per round.
+
+Cache policies:
+- ``window`` (default): attention sinks (the first few tokens) plus a recent window. The draft's
+  memory and per-token cost stay bounded however long the context grows (a draft's cache is not
+  small: Qwen3-0.6B needs 112 KiB a token), and a new request only prefills its sinks and last
+  window. Drafts may get slightly worse at long range; verification keeps the output exact.
+- ``full``: every token, like the target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specstream.attention import causal_mask, partial_attention
+from specstream.models.decoder import CausalLM
+from specstream.sampling import logits_to_probs, make_generator, sample
+from specstream.spec.proposer import Proposal, Proposer, ProposeRequest, register_proposer
+
+
+@dataclass
+class _SeqCache:
+    k: list[torch.Tensor] = field(default_factory=list)  # per layer [n, num_kv_heads, head_dim]
+    v: list[torch.Tensor] = field(default_factory=list)
+    num_tokens: int = 0  # request tokens processed (evicted ones included)
+    generator: torch.Generator | None = None
+
+
+class _DraftAttention:
+    """AttentionContext over per-request contiguous draft caches (one piece per request)."""
+
+    def __init__(self, caches: list[_SeqCache], rows: list[tuple[int, int]], scale: float):
+        self.caches, self.rows, self.scale = caches, rows, scale
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for c, (lo, hi) in zip(self.caches, self.rows):
+            if len(c.k) <= layer:
+                c.k.append(k[lo:hi].clone())
+                c.v.append(v[lo:hi].clone())
+            else:
+                c.k[layer] = torch.cat([c.k[layer], k[lo:hi]])
+                c.v[layer] = torch.cat([c.v[layer], v[lo:hi]])
+            kk, vv = c.k[layer], c.v[layer]
+            mask = causal_mask(hi - lo, kk.shape[0], device=q.device)
+            o, _ = partial_attention(q[lo:hi], kk, vv, self.scale, mask)
+            out[lo:hi] = o.to(q.dtype)
+        return out
+
+
+@register_proposer("draft")
+class DraftModelProposer(Proposer):
+    def __init__(
+        self, model: CausalLM, cache: str = "window", window_tokens: int = 1024,
+        sink_tokens: int = 4, max_draft_tokens: int = 16,
+    ) -> None:
+        if cache not in ("window", "full"):
+            raise ValueError(f"draft cache policy must be 'window' or 'full', got {cache!r}")
+        if cache == "window" and window_tokens <= max_draft_tokens:
+            raise ValueError("draft window must exceed the number of draft tokens")
+        self.model, self.policy = model, cache
+        self.window, self.sinks = window_tokens, sink_tokens
+        self.device = next(model.parameters()).device
+        self.caches: dict[str, _SeqCache] = {}
+        self.forward_s = 0.0
+
+    # ---- cache maintenance ----------------------------------------------------------
+    def _catch_up(self, c: _SeqCache, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Tokens (and positions) the draft has not processed yet."""
+        start = c.num_tokens
+        todo = list(range(start, len(tokens)))
+        if self.policy == "window" and start == 0 and len(todo) > self.sinks + self.window:
+            todo = todo[: self.sinks] + todo[-self.window :]
+        return [tokens[p] for p in todo], todo
+
+    def _evict(self, c: _SeqCache) -> None:
+        if self.policy != "window" or not c.k or c.k[0].shape[0] <= self.sinks + self.window:
+            return
+        for kv in (c.k, c.v):
+            for i, t in enumerate(kv):
+                kv[i] = torch.cat([t[: self.sinks], t[-self.window :]])
+
+    def rollback(self, request_id: str, num_tokens_kept: int) -> None:
+        c = self.caches.get(request_id)
+        if c is None or c.num_tokens <= num_tokens_kept:
+            return
+        drop = c.num_tokens - num_tokens_kept
+        for kv in (c.k, c.v):
+            for i, t in enumerate(kv):
+                kv[i] = t[: max(0, t.shape[0] - drop)]
+        c.num_tokens = num_tokens_kept
+
+    def free(self, request_id: str) -> None:
+        self.caches.pop(request_id, None)
+
+    # ---- drafting -------------------------------------------------------------------
+    @torch.inference_mode()
+    def _forward(
+        self, caches: list[_SeqCache], tokens: list[list[int]], positions: list[list[int]]
+    ) -> torch.Tensor:
+        """Feed each request its tokens; returns last-position logits [B, V] (fp32)."""
+        rows, row = [], 0
+        for t in tokens:
+            rows.append((row, row + len(t)))
+            row += len(t)
+        ids = torch.tensor([x for t in tokens for x in t], dtype=torch.long, device=self.device)
+        pos = torch.tensor([x for p in positions for x in p], dtype=torch.long, device=self.device)
+        ctx = _DraftAttention(caches, rows, self.model.config.head_dim**-0.5)
+        hidden = self.model(ids, pos, ctx)
+        for c, p in zip(caches, positions):
+            c.num_tokens = p[-1] + 1 if p else c.num_tokens
+            self._evict(c)
+        last = torch.tensor([hi - 1 for _, hi in rows], device=self.device)
+        return self.model.compute_logits(hidden[last])
+
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
+        active = [r for r in requests if r.num_tokens > 0]
+        out = {r.request_id: Proposal([]) for r in requests}
+        if not active:
+            return list(out.values())
+        caches = []
+        for r in active:
+            c = self.caches.get(r.request_id)
+            if c is None:
+                c = self.caches[r.request_id] = _SeqCache(
+                    generator=make_generator(r.params, self.device)
+                )
+                if c.generator is not None:  # independent of the target's stream
+                    c.generator.manual_seed((r.params.seed or 0) + 0x5EED)
+            caches.append(c)
+        feeds = [self._catch_up(c, r.token_ids) for c, r in zip(caches, active)]
+        tokens = [f[0] for f in feeds]
+        positions = [f[1] for f in feeds]
+        drafted: list[list[int]] = [[] for _ in active]
+        probs: list[list[torch.Tensor]] = [[] for _ in active]
+        live = list(range(len(active)))
+        while live:
+            logits = self._forward([caches[i] for i in live], [tokens[i] for i in live],
+                                   [positions[i] for i in live])
+            params = [active[i].params for i in live]
+            p = logits_to_probs(
+                logits, [x.temperature for x in params], [x.top_k for x in params],
+                [x.top_p for x in params],
+            )
+            nxt = sample(p, [caches[i].generator for i in live])
+            still = []
+            for j, i in enumerate(live):
+                drafted[i].append(int(nxt[j]))
+                probs[i].append(p[j])
+                if len(drafted[i]) < active[i].num_tokens:
+                    pos = len(active[i].token_ids) + len(drafted[i]) - 1
+                    tokens[i], positions[i] = [int(nxt[j])], [pos]
+                    still.append(i)
+            live = still
+        for i, r in enumerate(active):
+            greedy = r.params.greedy
+            out[r.request_id] = Proposal(drafted[i], None if greedy else torch.stack(probs[i]))
+        return [out[r.request_id] for r in requests]

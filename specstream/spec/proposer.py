@@ -1,0 +1,107 @@
+"""The proposer interface: who drafts the next tokens of a request, plus a name registry."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+from specstream.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ProposeRequest:
+    """One request that needs drafts this round."""
+
+    # The engine's request id (proposers with per-request state key it by this).
+    request_id: str
+    # All tokens so far: prompt + generated output (the last one is the last accepted token).
+    token_ids: Sequence[int]
+    # How many draft tokens to propose (a proposer may return fewer).
+    num_tokens: int
+    # The request's sampling parameters; model proposers process their logits with them.
+    params: SamplingParams
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for one request."""
+
+    # The proposed tokens, at most ProposeRequest.num_tokens of them (may be empty).
+    token_ids: list[int]
+    # [len(token_ids), V] fp32: the processed draft distribution each token was sampled from,
+    # or None for point-mass (deterministic) proposers.
+    probs: Tensor | None = None
+
+
+class Proposer(ABC):
+    """Drafts tokens for a batch of requests; the target verifies them with ``accept_drafts``."""
+
+    @abstractmethod
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
+        """One Proposal per request, in order."""
+
+    def rollback(self, request_id: str, num_tokens_kept: int) -> None:  # noqa: B027
+        """Forget state past the first ``num_tokens_kept`` tokens (rejected drafts)."""
+
+    def free(self, request_id: str) -> None:  # noqa: B027
+        """Drop all state of a finished request."""
+
+
+P = TypeVar("P", bound=type[Proposer])
+_PROPOSERS: dict[str, type[Proposer]] = {}
+
+
+def register_proposer(name: str) -> Callable[[P], P]:
+    """Class decorator: make the proposer constructible as ``make_proposer(name, ...)``."""
+
+    def deco(cls: P) -> P:
+        if name in _PROPOSERS and _PROPOSERS[name] is not cls:
+            raise ValueError(f"proposer {name!r} already registered as {_PROPOSERS[name]}")
+        _PROPOSERS[name] = cls
+        return cls
+
+    return deco
+
+
+def make_proposer(name: str, **kwargs: Any) -> Proposer:
+    """Construct the proposer registered under ``name``."""
+    if name not in _PROPOSERS:
+        raise ValueError(f"unknown proposer {name!r}; known: {sorted(_PROPOSERS)}")
+    return _PROPOSERS[name](**kwargs)
+
+
+def available_proposers() -> list[str]:
+    """Names of the registered proposers."""
+    return sorted(_PROPOSERS)
+
+
+def batch_proposals(
+    proposals: Sequence[Proposal], vocab_size: int, device: torch.device | str = "cpu"
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Pad proposals into the inputs of ``accept_drafts``.
+
+    Returns draft_tokens [B, Q] int64 (0-padded), num_drafts [B] int64 and draft_probs
+    [B, Q, V] fp32, or None when every proposal is a point mass. In a mixed batch point-mass
+    rows get one-hot distributions, which is the same acceptance rule.
+    """
+    lens = [len(p.token_ids) for p in proposals]
+    q = max(lens, default=0)
+    tokens = torch.zeros(len(proposals), q, dtype=torch.int64)
+    for i, p in enumerate(proposals):
+        tokens[i, : lens[i]] = torch.tensor(p.token_ids, dtype=torch.int64)
+    tokens = tokens.to(device)
+    num = torch.tensor(lens, dtype=torch.int64, device=device)
+    if all(p.probs is None for p in proposals):
+        return tokens, num, None
+    probs = torch.zeros(len(proposals), q, vocab_size, dtype=torch.float32, device=device)
+    for i, p in enumerate(proposals):
+        if p.probs is None:
+            probs[i, : lens[i]].scatter_(-1, tokens[i, : lens[i], None], 1.0)
+        else:
+            probs[i, : lens[i]] = p.probs.to(device=device, dtype=torch.float32)
+    return tokens, num, probs

@@ -1,0 +1,188 @@
+"""Transfer backends: bitwise round trips, priorities, throttling, stats, fault injection."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from specstream.backends import (
+    D2H,
+    H2D,
+    CpuBackend,
+    TransferBackend,
+    TransferError,
+    available_backends,
+    limit_compute_threads,
+    make_backend,
+)
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture
+def cpu() -> Iterator[TransferBackend]:
+    backend = make_backend("cpu")
+    yield backend
+    backend.close()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Same storage viewed as integers, so NaN payloads and -0.0 compare exactly."""
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def special_values(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    flat = x.view(-1)
+    flat[:4] = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0], dtype=dtype)
+    return x
+
+
+def test_registry_and_errors() -> None:
+    assert {"cpu", "cuda"} <= set(available_backends())
+    backend = make_backend("cpu")
+    assert isinstance(backend, CpuBackend) and backend.name == "cpu"
+    backend.close()
+    with pytest.raises(ValueError, match="unknown transfer backend"):
+        make_backend("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs CUDA"):
+            make_backend("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_is_bitwise(cpu: TransferBackend, dtype: torch.dtype) -> None:
+    host = cpu.alloc_host((64, 8, 32), dtype)
+    host.copy_(special_values((64, 8, 32), dtype))
+    dev = cpu.alloc_device((64, 8, 32), dtype)
+    back = cpu.alloc_host((64, 8, 32), dtype)
+    cpu.h2d(dev, host, tag="up").wait()
+    cpu.d2h(back, dev, tag="down").wait()
+    assert torch.equal(bits(back), bits(host))
+
+
+def test_h2d_overtakes_queued_d2h() -> None:
+    backend = make_backend("cpu", link_gbps=0.01)  # 10 MB/s: the 4 MB blocker takes 0.4 s
+    try:
+        blocker = backend.h2d(torch.empty(1 << 20), torch.ones(1 << 20), tag="blocker")
+        small = [torch.ones(16) for _ in range(5)]
+        backend.d2h(torch.empty(16), small[0], tag="d0")
+        backend.d2h(torch.empty(16), small[1], tag="d1")
+        backend.d2h(torch.empty(16), small[2], tag="d2")
+        backend.h2d(torch.empty(16), small[3], tag="h0")
+        backend.h2d(torch.empty(16), small[4], tag="h1")
+        assert not blocker.done()  # everything above was queued while the link was busy
+        backend.synchronize()
+        order = [r.tag for r in backend.busy_intervals()]
+        assert order == ["blocker", "h0", "h1", "d0", "d1", "d2"]
+    finally:
+        backend.close()
+
+
+def test_throttle_lower_bound() -> None:
+    gbps, nbytes = 0.1, 4 << 20  # 42 ms per copy at 0.1 GB/s
+    backend = make_backend("cpu", link_gbps=gbps)
+    try:
+        src = torch.ones(nbytes // 4)
+        start = time.perf_counter()
+        handles = [backend.h2d(torch.empty_like(src), src, tag=i) for i in range(3)]
+        for h in handles:
+            h.wait()
+        elapsed = time.perf_counter() - start
+        assert elapsed >= 3 * nbytes / (gbps * 1e9)
+        assert backend.stats()["busy_s"] >= 3 * nbytes / (gbps * 1e9)
+    finally:
+        backend.close()
+
+
+def test_stats_count_bytes(cpu: TransferBackend) -> None:
+    a, b = torch.ones(100), torch.ones(10, dtype=torch.bfloat16)
+    cpu.h2d(torch.empty(100), a).wait()
+    cpu.h2d(torch.empty(10, dtype=torch.bfloat16), b).wait()
+    cpu.d2h(torch.empty(100), a).wait()
+    s = cpu.stats()
+    assert (s["bytes_h2d"], s["bytes_d2h"], s["num_copies"]) == (420, 400, 3)
+    assert s["busy_s"] > 0
+    records = cpu.busy_intervals()
+    assert [r.direction for r in records] == [H2D, H2D, D2H]
+    assert all(r.start <= r.end for r in records)
+    cpu.reset_stats()
+    assert cpu.stats() == {"bytes_h2d": 0, "bytes_d2h": 0, "busy_s": 0.0, "num_copies": 0}
+
+
+def test_failure_injection_fails_only_tagged_copies(cpu: TransferBackend) -> None:
+    cpu.inject_failure(lambda tag: tag == ("req", 7))
+    src = torch.arange(8.0)
+    dsts = [torch.zeros(8) for _ in range(4)]
+    tags = [("req", 1), ("req", 7), ("req", 2), ("req", 7)]
+    handles = [cpu.h2d(d, src, tag=t) for d, t in zip(dsts, tags, strict=True)]
+    for d, t, h in zip(dsts, tags, handles, strict=True):
+        if t == ("req", 7):
+            with pytest.raises(TransferError, match=r"\('req', 7\)") as info:
+                h.wait()
+            assert info.value.tag == t and h.done()
+            assert torch.equal(d, torch.zeros(8))  # the failed copy wrote nothing
+        else:
+            h.wait()
+            assert torch.equal(d, src)
+    cpu.clear_failures()
+    later = torch.zeros(8)
+    cpu.h2d(later, src, tag=("req", 7)).wait()  # the worker survived
+    assert torch.equal(later, src)
+    assert cpu.stats()["num_copies"] == 3
+
+
+def test_real_copy_error_becomes_transfer_error(cpu: TransferBackend) -> None:
+    handle = cpu.h2d(torch.empty(3), torch.ones(5), tag="bad-shape")
+    with pytest.raises(TransferError, match="bad-shape"):
+        handle.wait()
+    ok = torch.empty(5)
+    cpu.h2d(ok, torch.ones(5)).wait()
+    assert torch.equal(ok, torch.ones(5))
+
+
+def test_close_drains_and_is_idempotent() -> None:
+    backend = make_backend("cpu", link_gbps=0.1)
+    dst = torch.empty(1 << 18)
+    handle = backend.h2d(dst, torch.ones(1 << 18), tag="last")
+    backend.close()
+    assert handle.done() and torch.equal(dst, torch.ones(1 << 18))
+    backend.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        backend.h2d(dst, dst)
+
+
+def test_limit_compute_threads_restores() -> None:
+    previous = limit_compute_threads()
+    try:
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.cuda
+@CUDA
+def test_cuda_round_trip_stats_and_failures() -> None:
+    backend = make_backend("cuda")
+    try:
+        host = backend.alloc_host((256, 8, 128), torch.bfloat16)
+        assert host.is_pinned()
+        host.copy_(special_values((256, 8, 128), torch.bfloat16))
+        dev = backend.alloc_device((256, 8, 128), torch.bfloat16)
+        back = backend.alloc_host((256, 8, 128), torch.bfloat16)
+        backend.h2d(dev, host, tag="up").wait()  # orders the current stream, no host sync
+        dev.mul_(1)  # compute on the current stream after the copy
+        backend.d2h(back, dev, tag="down").host_wait()
+        assert torch.equal(bits(back), bits(host))
+        s = backend.stats()
+        assert s["bytes_h2d"] == s["bytes_d2h"] == host.numel() * 2 and s["num_copies"] == 2
+        backend.inject_failure(lambda tag: tag == "boom")
+        with pytest.raises(TransferError, match="boom"):
+            backend.h2d(dev, host, tag="boom").host_wait()
+        backend.h2d(dev, host, tag="fine").host_wait()
+    finally:
+        backend.close()
+        backend.close()
