@@ -38,7 +38,7 @@ class Executor:
                     errors[rid] = f"KV write-back failed: {exc}"
         return errors
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def run(self, plan: StepPlan) -> StepResult:
         result = StepResult(errors=self.writeback(plan))
         if not plan.seqs:

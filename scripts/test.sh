@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up, lint, run the test suite. Fails when pytest runs no test (exit code 5).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+ruff check .
+set +e
+python3 -m pytest -q -p no:cacheprovider "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+    echo "pytest collected no tests: failing" >&2
+    exit 1
+fi
+exit "$rc"

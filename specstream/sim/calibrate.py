@@ -1,0 +1,180 @@
+"""Calibrate the simulator on a ``specstream bench`` run and predict that run's results.
+
+The bench writes one JSON object. The simulator reads two top-level keys; anything else (e.g.
+``"synthetic"``, ``"note"``, run metadata) is ignored. Times in seconds, sizes in bytes.
+
+``"calibration"`` -- the costs measured on this machine, and what was run::
+
+    {
+      "schema": 1,
+      "device": "cpu",                        # free text
+      "link_bytes_per_s": 2.0e9,              # measured host->device bandwidth (emulated or
+                                              #   pinned), as the engine's copy worker sees it
+      "device_memory_bytes": 6.0e8,           # the device budget every mode ran under
+      "host_memory_bytes": 1.6e10,            # optional; default unbounded
+      "target": {"name": "tiny-target", "num_layers": 8,
+                 "kv_bytes_per_token": 16384, "weight_bytes": 2.4e8},
+      "draft":  {"name": "tiny-draft", "num_layers": 4,
+                 "kv_bytes_per_token": 8192, "weight_bytes": 4.0e7},
+      "verify_time": {                        # one batched TARGET forward (all layers), the KV
+                                              #   already on the device (no transfer inside)
+        "coefficients": {"const_s": 0.004, "per_query_token_s": 1e-4,
+                         "per_context_token_s": 2e-7, "per_context_query_s": 5e-8},
+        "samples": [{"query_tokens": 20, "q_per_request": 5,
+                     "context_tokens": 40000, "seconds": 0.031}]
+      },                                      # either part may be absent: samples are fitted
+                                              #   (non-negative least squares) when no
+                                              #   coefficients are given. query_tokens = batch
+                                              #   total; context_tokens = batch total attended
+      "draft_step_time": {...same shape...},  # one batched DRAFT forward (q_per_request = 1,
+                                              #   context_tokens = draft KV attended)
+      "prefill_time": {                       # one request's prompt: const + a*t + b*t^2
+        "target": {"const_s": 0.01, "per_token_s": 2e-5, "per_token_sq_s": 1e-10},
+        "draft":  {"samples": [{"tokens": 4096, "seconds": 0.02}]}
+      },
+      "corun_slowdown": 0.05,                 # optional: measured verify slowdown with the
+                                              #   draft co-running (default: policy's 0.05)
+      "engine": {"chunk_tokens": 2048, "staging_buffers": 2, "resident_tail": 512,
+                 "offload_threshold": 8192, "draft_window": null, "groups": 2},
+                                              # SimPolicy fields as the engine ran (others are
+                                              #   ignored); draft_window null = whole draft KV
+      "workload": {"context_lengths": [16384, 16384], "output_len": 64,
+                   "num_requests": 8, "concurrency": 4, "arrival_rate": null},
+      "q": 4,                                 # drafts per round the spec modes ran with
+      "acceptance": {"q": 4, "accepted_counts": [30, 25, 20, 15, 10]}
+    }                                         # accepted_counts[k]: verification rounds in which
+                                              #   k of q drafts were accepted (or "alpha": 0.7)
+
+``"modes"`` -- what the bench measured, per mode run (any subset of the five)::
+
+    {"offload": {"output_tokens_per_s": 41.0,   # required: output tokens / wall time
+                 "ttft_s": 1.2, "tpot_s": 0.09,  # optional, compared when present
+                 "link_utilisation": 0.93,       # optional: link busy / wall time
+                 "mean_round_s": 0.085,          # optional
+                 "max_concurrency": 9}, ...}
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specstream.sim.api import Scenario, simulate
+from specstream.sim.costs import FittedCosts, LinearFit, PrefillFit
+from specstream.sim.policy import MODES, SimPolicy
+from specstream.sim.serving import ModeResult
+from specstream.sim.workload import AcceptanceModel, Workload
+
+_FORWARD = ("const_s", "per_query_token_s", "per_context_token_s", "per_context_query_s")
+_PREFILL = ("const_s", "per_token_s", "per_token_sq_s")
+
+
+def nnls(features: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative coefficients (active set: drop the most negative)."""
+    active = list(range(features.shape[1]))
+    coef = np.zeros(features.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(features[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return coef
+
+
+def _fit(spec: dict[str, Any], names: Sequence[str], rows: Any) -> dict[str, float]:
+    if "coefficients" in spec or "samples" not in spec:
+        src = spec.get("coefficients", spec)
+        return {k: float(src.get(k, 0.0)) for k in names}
+    x = np.array([rows(s) for s in spec["samples"]], dtype=float)
+    y = np.array([s["seconds"] for s in spec["samples"]], dtype=float)
+    return dict(zip(names, (float(v) for v in nnls(x, y)), strict=True))
+
+
+def forward_fit(spec: dict[str, Any]) -> LinearFit:
+    return LinearFit(**_fit(spec, _FORWARD, lambda s: (
+        1.0, s["query_tokens"], s["context_tokens"],
+        s["context_tokens"] * s.get("q_per_request", 1))))
+
+
+def prefill_fit(spec: dict[str, Any]) -> PrefillFit:
+    return PrefillFit(**_fit(spec, _PREFILL, lambda s: (1.0, s["tokens"], s["tokens"] ** 2)))
+
+
+def scenario_from_calibration(cal: dict[str, Any]) -> Scenario:
+    """The bench's run as a Scenario whose costs are the measured ones."""
+    t, d = cal["target"], cal["draft"]
+    prefill = cal.get("prefill_time", {})
+    costs = FittedCosts(
+        link_bw=float(cal["link_bytes_per_s"]),
+        device_budget_bytes=float(cal["device_memory_bytes"]),
+        host_budget_bytes=float(cal.get("host_memory_bytes") or 1e18),
+        num_layers=(int(t["num_layers"]), int(d["num_layers"])),
+        kv_per_token=(float(t["kv_bytes_per_token"]), float(d["kv_bytes_per_token"])),
+        weights=(float(t.get("weight_bytes", 0)), float(d.get("weight_bytes", 0))),
+        forward=(forward_fit(cal["verify_time"]), forward_fit(cal["draft_step_time"])),
+        prefill=(prefill_fit(prefill.get("target", {})), prefill_fit(prefill.get("draft", {}))),
+    )
+    known = SimPolicy.__dataclass_fields__
+    engine = {k: v for k, v in cal.get("engine", {}).items() if k in known}
+    if "corun_slowdown" in cal:
+        engine["corun_slowdown"] = float(cal["corun_slowdown"])
+    policy = SimPolicy(q=int(cal["q"]), **engine)
+    w = cal["workload"]
+    workload = Workload(tuple(int(c) for c in w["context_lengths"]), int(w["output_len"]),
+                        w.get("concurrency"), w.get("arrival_rate"), w.get("num_requests"))
+    acc = cal["acceptance"]
+    acceptance = (AcceptanceModel(alpha=float(acc["alpha"])) if "alpha" in acc else
+                  AcceptanceModel(accepted_counts=tuple(int(n) for n in acc["accepted_counts"]),
+                                  measured_q=int(acc["q"])))
+    return Scenario(costs, workload, acceptance, policy,
+                    label=f"calibrated on {cal.get('device', 'bench')}: {t['name']}+{d['name']}")
+
+
+def load_bench(path: str | Path) -> tuple[Scenario, dict[str, dict[str, float]]]:
+    """Read a bench JSON: (the calibrated scenario, the measured results per mode)."""
+    with Path(path).open() as f:
+        data = json.load(f)
+    if "calibration" not in data:
+        raise ValueError(f"{path}: no top-level 'calibration' key (see calibrate.py)")
+    return scenario_from_calibration(data["calibration"]), dict(data.get("modes", {}))
+
+
+def predict(path: str | Path) -> tuple[Scenario, list[ModeResult], dict[str, dict[str, float]]]:
+    """Simulate every mode the bench measured (all five if it lists none)."""
+    scenario, measured = load_bench(path)
+    modes = [m for m in MODES if m in measured] or list(MODES)
+    return scenario, simulate(scenario, modes), measured
+
+
+def relative_errors(results: Sequence[ModeResult],
+                    measured: dict[str, dict[str, float]]) -> dict[str, float]:
+    """(predicted - measured) / measured output throughput, per measured mode."""
+    out = {}
+    for r in results:
+        got = measured.get(r.mode, {}).get("output_tokens_per_s")
+        if got:
+            out[r.mode] = (r.throughput - float(got)) / float(got)
+    return out
+
+
+def comparison_table(results: Sequence[ModeResult],
+                     measured: dict[str, dict[str, float]]) -> str:
+    """Predicted vs measured per mode, markdown."""
+    errors = relative_errors(results, measured)
+    lines = ["| mode | predicted tok/s | measured tok/s | rel. error | predicted link util. "
+             "| measured link util. | predicted TPOT ms | measured TPOT ms |",
+             "|" + " --- |" * 8]
+    for r in results:
+        m = measured.get(r.mode, {})
+        err = f"{errors[r.mode]:+.1%}" if r.mode in errors else "-"
+        mlu = f"{m['link_utilisation']:.0%}" if "link_utilisation" in m else "-"
+        mtpot = f"{m['tpot_s'] * 1e3:.1f}" if "tpot_s" in m else "-"
+        lines.append(f"| {r.mode} | {r.throughput:.2f} | {m.get('output_tokens_per_s', '-')} "
+                     f"| {err} | {r.link_utilisation:.0%} | {mlu} | {r.tpot_s * 1e3:.1f} "
+                     f"| {mtpot} |")
+    return "\n".join(lines)

@@ -1,0 +1,170 @@
+"""``specstream simulate``: argparse wiring (``add_parser``) and the handler (``run``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+
+from specstream.sim.api import Scenario, simulate, sweep_contexts
+from specstream.sim.hardware import HARDWARE, get_hardware
+from specstream.sim.model_profile import MODELS, get_model
+from specstream.sim.policy import MODES, SimPolicy
+from specstream.sim.report import describe, results_table, verdict
+from specstream.sim.workload import AcceptanceModel
+
+HELP = "predict every mode's throughput, latency and memory fit at datacenter scale"
+EPILOG = """examples:
+  specstream simulate --hardware H200 --pcie 5 --target Qwen3-8B --draft Qwen3-0.6B \\
+      --context 32768 --concurrency 16 --alpha 0.75
+  specstream simulate --hardware A800 --target InternLM2.5-7B --draft InternLM2.5-1.8B \\
+      --context 8192:0.5,32768:0.5 --arrival-rate 0.2 --plot-timeline round.png
+  specstream simulate --calibrate bench.json        # predicted vs measured, per mode
+  specstream simulate --paper-table                 # the table of docs/simulator.md
+"""
+
+
+def _ints(text: str) -> list[int]:
+    return [int(float(x)) for x in text.split(",") if x]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``simulate`` on an argparse subparsers object; sets ``func=run``."""
+    p = subparsers.add_parser("simulate", help=HELP, description=HELP + ".", epilog=EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    hw = p.add_argument_group("hardware (datasheet defaults; override with measured values)")
+    hw.add_argument("--hardware", default="H200",
+                    help=f"one of {', '.join(h.name for h in HARDWARE.values())}")
+    hw.add_argument("--pcie", type=int, choices=(3, 4, 5, 6),
+                    help="PCIe generation of the x16 link")
+    hw.add_argument("--link-gbps", type=float, help="effective H2D link bandwidth, GB/s")
+    hw.add_argument("--device-mem-gb", type=float, help="device memory, GB")
+    hw.add_argument("--hbm-tbps", type=float, help="HBM bandwidth, TB/s")
+    hw.add_argument("--tflops", type=float, help="dense bf16 matrix throughput, TFLOP/s")
+    hw.add_argument("--layer-overhead-us", type=float,
+                    help="fixed cost per layer per forward, microseconds (default 10)")
+    m = p.add_argument_group("models (built-in name or path to an HF config.json / checkpoint)")
+    m.add_argument("--target", default="Qwen3-8B", help=f"built-ins: {', '.join(MODELS)}")
+    m.add_argument("--draft", default="Qwen3-0.6B")
+    w = p.add_argument_group("workload and acceptance")
+    w.add_argument("--context", default="32768",
+                   help="prompt lengths: 32768, a list 8192,32768, or weighted 8192:0.3,32768:0.7")
+    w.add_argument("--output-len", type=int, default=512)
+    w.add_argument("--concurrency", type=int, default=16, help="max requests in flight")
+    w.add_argument("--arrival-rate", type=float, help="Poisson arrivals, requests/s")
+    w.add_argument("--num-requests", type=int, help="default: 2 x concurrency (64 if open loop)")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--alpha", type=float, default=0.75, help="per-token acceptance rate")
+    w.add_argument("--accepted-counts", help="measured histogram n0,n1,..,nq (rounds with k "
+                                             "drafts accepted); overrides --alpha")
+    e = p.add_argument_group("engine policy")
+    e.add_argument("--q", default="auto", help="drafts per round, or 'auto' (best of 1,2,4,6,8)")
+    e.add_argument("--chunk-tokens", type=int, default=2048)
+    e.add_argument("--staging-buffers", type=int, default=2)
+    e.add_argument("--resident-tail", type=int, default=512)
+    e.add_argument("--offload-threshold", type=int, default=8192)
+    e.add_argument("--draft-window", default="4096", help="draft KV tokens kept, or 'all'")
+    e.add_argument("--corun-slowdown", type=float, default=0.05)
+    o = p.add_argument_group("output")
+    o.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
+    o.add_argument("--sweep", help="context lengths for the sweep plot, e.g. 8192,16384,32768")
+    o.add_argument("--plot-sweep", metavar="PNG", help="throughput per mode vs context")
+    o.add_argument("--plot-timeline", metavar="PNG", help="one simulated round per mode")
+    o.add_argument("--json", metavar="PATH", help="write results as JSON")
+    o.add_argument("--calibrate", metavar="BENCH_JSON",
+                   help="predict the modes of a `specstream bench` JSON; print vs measured")
+    o.add_argument("--max-error", type=float,
+                   help="with --calibrate: exit 1 if any |relative error| exceeds this")
+    o.add_argument("--paper-table", action="store_true",
+                   help="print the paper-settings table of docs/simulator.md")
+    p.set_defaults(func=run)
+    return p
+
+
+def _scenario(args: argparse.Namespace) -> Scenario:
+    gb, tb = 1e9, 1e12
+    scale = {"link_bytes_per_s": (args.link_gbps, gb), "device_memory_bytes":
+             (args.device_mem_gb, gb), "hbm_bytes_per_s": (args.hbm_tbps, tb),
+             "matrix_flops": (args.tflops, tb), "layer_overhead_s": (args.layer_overhead_us,
+                                                                      1e-6)}
+    hardware = get_hardware(args.hardware, args.pcie,
+                            **{k: v * s for k, (v, s) in scale.items() if v is not None})
+    pairs = [x.split(":") for x in args.context.split(",") if x]
+    contexts = tuple(int(float(x[0])) for x in pairs)
+    weights = tuple(float(x[1]) for x in pairs) if all(len(x) == 2 for x in pairs) else None
+    policy = SimPolicy(
+        q=None if args.q == "auto" else int(args.q), chunk_tokens=args.chunk_tokens,
+        staging_buffers=args.staging_buffers, resident_tail=args.resident_tail,
+        offload_threshold=args.offload_threshold, corun_slowdown=args.corun_slowdown,
+        draft_window=None if args.draft_window == "all" else int(args.draft_window))
+    sc = Scenario.from_names(hardware, get_model(args.target), get_model(args.draft), contexts,
+                             args.concurrency, args.alpha, args.output_len, policy=policy,
+                             arrival_rate=args.arrival_rate, num_requests=args.num_requests,
+                             weights=weights, seed=args.seed)
+    if args.accepted_counts:
+        counts = tuple(_ints(args.accepted_counts))
+        acc = AcceptanceModel(accepted_counts=counts, measured_q=len(counts) - 1)
+        sc = Scenario(sc.costs, sc.workload, acc, policy, sc.label, hardware, sc.target, sc.draft)
+    return sc
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from specstream.sim.calibrate import comparison_table, predict, relative_errors
+
+    scenario, results, measured = predict(args.calibrate)
+    print(describe(scenario))
+    costs = scenario.costs
+    for name, fit in zip(("verify", "draft step"), getattr(costs, "forward", ()), strict=False):
+        print(f"  fitted {name} time: {fit}")
+    print(f"  link {costs.link_bw / 1e9:.2f} GB/s, device budget "
+          f"{costs.device_budget_bytes / 1e9:.2f} GB\n")
+    print(comparison_table(results, measured))
+    errors = relative_errors(results, measured)
+    if args.max_error is not None and any(abs(e) > args.max_error for e in errors.values()):
+        print(f"\nFAIL: an error exceeds {args.max_error:.0%}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handler of ``specstream simulate``; returns the exit status."""
+    if args.calibrate:
+        return _calibrate(args)
+    if args.paper_table:
+        from specstream.sim.paper import paper_table
+
+        print(paper_table())
+        return 0
+    sc = _scenario(args)
+    modes = [x for x in args.modes.split(",") if x]
+    results = simulate(sc, modes)
+    print(describe(sc), "\n")
+    print(results_table(results), "\n")
+    print(verdict(sc, results))
+    if args.json:
+        rows = [{f.name: getattr(r, f.name) for f in fields(r) if f.name != "round"}
+                | {"throughput_per_gpu": r.throughput_per_gpu} for r in results]
+        with open(args.json, "w") as f:
+            json.dump({"scenario": sc.label, "results": rows}, f, indent=1)
+    if args.plot_timeline:
+        from specstream.sim.plots import plot_timeline
+
+        rounds = [r.round for r in results if r.round is not None]
+        print("timeline:", plot_timeline(rounds, args.plot_timeline, sc.label))
+    if args.plot_sweep:
+        from specstream.sim.plots import plot_sweep
+
+        ctxs = _ints(args.sweep or "8192,16384,32768,65536")
+        print("sweep:", plot_sweep(ctxs, sweep_contexts(sc, ctxs, modes), args.plot_sweep,
+                                   sc.label))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point: ``python -m specstream.sim``."""
+    parser = argparse.ArgumentParser(prog="specstream")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["simulate", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))

@@ -1,0 +1,93 @@
+"""Device-memory accounting: what each mode keeps on the device, and how many requests fit.
+
+Per mode, on the (target) device:
+
+- weights: target, plus the draft except in ``parallel-spec`` (its draft has its own GPU);
+- target KV: everything in ``resident``; in the offload modes a request stays fully resident up
+  to ``offload_threshold`` tokens, past it only the ``resident_tail`` does;
+- draft KV: ``draft_tokens(context)`` per request (windowed by default; on GPU 2 in
+  ``parallel-spec``, where it is checked against that GPU's memory);
+- buffers: ``specstream`` needs ``staging_buffers`` chunk slots for a group (one layer each);
+  the full-restore modes need room for at least one request's whole cold history, and restore
+  the batch in sub-batches of as many requests as fit (each sub-batch is a separate forward).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specstream.sim.costs import Costs
+from specstream.sim.policy import SimPolicy
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Where a batch's bytes live, and how the restore is split."""
+
+    fits: bool
+    device_bytes: float  # on the target device
+    draft_device_bytes: float  # on the draft GPU (parallel-spec), else 0
+    host_bytes: float  # offloaded KV
+    sub_batch: int  # requests restored together (full-restore modes); batch size otherwise
+
+
+def _resident_bytes(mode: str, costs: Costs, policy: SimPolicy, ctx: float) -> tuple[float, float]:
+    """(target-device bytes, draft-device bytes) one request keeps resident."""
+    kv_t, kv_d = costs.kv_bytes("target"), costs.kv_bytes("draft")
+    hot = ctx - policy.cold_tokens(mode, ctx)
+    draft = policy.draft_tokens(ctx) * kv_d
+    if mode == "parallel-spec":
+        return hot * kv_t, draft
+    return hot * kv_t + (draft if mode != "offload" else 0.0), 0.0
+
+
+def plan(mode: str, costs: Costs, policy: SimPolicy, contexts: Sequence[float]) -> MemoryPlan:
+    """Memory of a batch whose requests have the given (peak) context lengths."""
+    kv_t = costs.kv_bytes("target")
+    weights = costs.weight_bytes("target")
+    draft_weights = costs.weight_bytes("draft")
+    if mode not in ("parallel-spec", "offload"):
+        weights += draft_weights
+    per_req = [_resident_bytes(mode, costs, policy, c) for c in contexts]
+    device = weights + sum(p[0] for p in per_req)
+    draft_dev = draft_weights + sum(p[1] for p in per_req) if mode == "parallel-spec" else 0.0
+    cold = [policy.cold_tokens(mode, c) * kv_t for c in contexts]
+    host = sum(cold)
+    budget = costs.device_budget_bytes
+    sub_batch = len(contexts)
+    if mode == "specstream" and host > 0:
+        group = math.ceil(len(contexts) / policy.groups)
+        per_layer = kv_t / costs.layers("target")
+        device += policy.staging_buffers * policy.chunk_tokens * group * per_layer
+    elif host > 0:  # full restore: as many requests' cold KV as the free memory holds
+        largest_first = list(itertools.accumulate(sorted(cold, reverse=True)))
+        sub_batch = bisect.bisect_right(largest_first, budget - device)
+        device += largest_first[max(sub_batch, 1) - 1]
+    fits = (device <= budget and host <= costs.host_budget_bytes
+            and draft_dev <= budget and (sub_batch >= 1 or not contexts))
+    return MemoryPlan(fits, device, draft_dev, host, max(sub_batch, 1))
+
+
+def max_concurrency(mode: str, costs: Costs, policy: SimPolicy, context: float,
+                    limit: int = 4096) -> int:
+    """Most requests of this (peak) context that fit at once; 0 if not even one does."""
+    if not plan(mode, costs, policy, [context]).fits:
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and plan(mode, costs, policy, [context] * hi).fits:
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # invariant: lo fits, hi does not (or is past the limit)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if plan(mode, costs, policy, [context] * mid).fits else (lo, mid)
+    return lo
+
+
+def kv_bytes_total(costs: Costs, policy: SimPolicy, contexts: Sequence[float]) -> float:
+    """Target plus draft KV of a batch, were it all resident (the deployment question)."""
+    kv_t, kv_d = costs.kv_bytes("target"), costs.kv_bytes("draft")
+    return sum(c * kv_t + policy.draft_tokens(c) * kv_d for c in contexts)

@@ -1,0 +1,181 @@
+"""The round pipeline of each mode as a task graph, run by the event simulator.
+
+One builder per mode (registered with ``@builder``) lays out ``policy.rounds`` rounds of a batch
+as tasks on the ``link`` (copy stream), ``compute`` (target device) and, for parallel-spec,
+``draft_gpu`` resources; ``simulate_round`` runs it and measures one steady-state round.
+Conventions shared by the builders:
+
+- verification of a group = one target forward over q+1 query tokens per request, attending to
+  the request's whole context; drafting = q draft forwards of one token per request;
+- round 0 starts with its drafts already made (the pipeline fill), so the steady state is
+  measured between the ends of group 0's verification in the first and last rounds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from specstream.sim.costs import Costs
+from specstream.sim.events import Graph, Task
+from specstream.sim.memory import plan
+from specstream.sim.policy import SimPolicy, check_mode
+
+MAX_CHUNKS = 32  # chunks per layer are coarsened past this, to bound the task count
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What a builder needs: the costs, the policy, the contexts and q."""
+
+    costs: Costs
+    policy: SimPolicy
+    contexts: tuple[float, ...]
+    q: int
+    mode: str
+
+    def groups(self, n: int) -> list[tuple[float, ...]]:
+        """Split the requests round-robin into at most n non-empty groups."""
+        n = max(1, min(n, len(self.contexts)))
+        return [self.contexts[i::n] for i in range(n)]
+
+    def verify_s(self, ctx: Sequence[float]) -> float:
+        """Target forward over q+1 tokens per request (1 when not speculating)."""
+        c = self.costs
+        n = len(ctx) * (self.q + 1)
+        return c.linear_s("target", n) + c.attention_s("target", self.q + 1, sum(ctx) + n)
+
+    def draft_step_s(self, ctx: Sequence[float]) -> float:
+        c = self.costs
+        window = sum(self.policy.draft_tokens(x) for x in ctx)
+        return c.linear_s("draft", len(ctx)) + c.attention_s("draft", 1, window)
+
+    def link_s(self, ctx: Sequence[float]) -> float:
+        cold = sum(self.policy.cold_tokens(self.mode, x) for x in ctx)
+        return cold * self.costs.kv_bytes("target") / self.costs.link_bw
+
+
+Builder = Callable[[Graph, Batch], list[int]]
+BUILDERS: dict[str, Builder] = {}
+
+
+def builder(mode: str) -> Callable[[Builder], Builder]:
+    """Register a graph builder; it returns the task id ending each round of group 0."""
+    def register(fn: Builder) -> Builder:
+        BUILDERS[check_mode(mode)] = fn
+        return fn
+    return register
+
+
+def _chain(g: Graph, prev: list[int], deps: Sequence[int] = (), **fields: Any) -> int:
+    """Add a task that follows ``prev`` (a one-item list updated in place) on its stream."""
+    tid = g.add(Task(deps=[*deps, *prev[:1]], **fields))
+    prev[:] = [tid]
+    return tid
+
+
+def _sub_batches(b: Batch, ctx: tuple[float, ...]) -> list[tuple[float, ...]]:
+    size = plan(b.mode, b.costs, b.policy, b.contexts).sub_batch
+    return [ctx[i:i + size] for i in range(0, len(ctx), size)]
+
+
+@builder("resident")
+@builder("offload")
+@builder("offload-spec")
+def _sequential(g: Graph, b: Batch) -> list[int]:
+    """Restore (if offloaded), then verify, then draft: one stream, nothing overlaps."""
+    prev: list[int] = []
+    marks = []
+    for r in range(b.policy.rounds):
+        for sub in _sub_batches(b, b.contexts):
+            if b.link_s(sub) > 0:
+                _chain(g, prev, name="restore", resource="link", duration=b.link_s(sub),
+                       kind="link", round=r)
+            last = _chain(g, prev, name="verify", resource="compute", duration=b.verify_s(sub),
+                          kind="verify", round=r)
+        marks.append(last)
+        for _ in range(b.q):
+            _chain(g, prev, name="draft", resource="compute",
+                   duration=b.draft_step_s(b.contexts), kind="draft", round=r)
+    return marks
+
+
+@builder("parallel-spec")
+def _parallel(g: Graph, b: Batch) -> list[int]:
+    """Target: restore then verify per group; the draft GPU drafts the other group meanwhile."""
+    target: list[int] = []
+    groups = b.groups(b.policy.groups)
+    drafted: dict[int, list[int]] = {}
+    verified: dict[int, int] = {}
+    marks = []
+    for r in range(b.policy.rounds):
+        for gi, ctx in enumerate(groups):
+            draft_prev = [verified[gi]] if gi in verified else []
+            for _ in range(b.q):
+                _chain(g, draft_prev, name="draft", resource="draft_gpu",
+                       duration=b.draft_step_s(ctx), kind="draft", group=gi, round=r)
+            drafted[gi] = draft_prev
+            for sub in _sub_batches(b, ctx):
+                if b.link_s(sub) > 0:
+                    _chain(g, target, name="restore", resource="link",
+                           duration=b.link_s(sub), kind="link", group=gi, round=r)
+                verified[gi] = _chain(g, target, name="verify", resource="compute",
+                                      duration=b.verify_s(sub), kind="verify", group=gi,
+                                      round=r, deps=drafted[gi] if r else [])
+            if gi == 0:
+                marks.append(verified[gi])
+    return marks
+
+
+@builder("specstream")
+def _specstream(g: Graph, b: Batch) -> list[int]:
+    """Chunks stream layer by layer through the staging ring; each is verified as it lands
+    (partial attention, LSE merge); the other group's drafts fill the compute gaps at low
+    priority. Verification runs ``corun_slowdown`` slower for sharing the device."""
+    p, c = b.policy, b.costs
+    layers = c.layers("target")
+    slow = 1.0 + p.corun_slowdown
+    link_prev: list[int] = []
+    verify_prev: list[int] = []
+    attn_ids: list[int] = []  # every chunk's attention, in link order: frees a staging slot
+    groups = b.groups(p.groups)
+    verified: dict[int, int] = {}
+    marks = []
+    for r in range(p.rounds):
+        for gi, ctx in enumerate(groups):
+            draft_prev = [verified[gi]] if gi in verified else []
+            for _ in range(b.q if r else 0):
+                step = b.draft_step_s(ctx) / c.layers("draft")
+                for _ in range(c.layers("draft")):
+                    _chain(g, draft_prev, name="draft", resource="compute", duration=step,
+                           kind="draft", group=gi, round=r, priority=1)
+            cold = [p.cold_tokens(b.mode, x) for x in ctx]
+            chunk = max(p.chunk_tokens, math.ceil(max(cold) / MAX_CHUNKS))
+            n_chunks = math.ceil(max(cold) / chunk)
+            n = len(ctx) * (b.q + 1)
+            lin = c.linear_s("target", n) / layers
+            hot = sum(ctx) - sum(cold) + n
+            hot_attn = c.attention_s("target", b.q + 1, hot) / layers
+            for layer in range(layers):
+                _chain(g, verify_prev, name=f"L{layer} qkv+tail", resource="compute",
+                       duration=(0.25 * lin + hot_attn) * slow, kind="verify", group=gi,
+                       round=r, deps=draft_prev if layer == 0 else [])
+                for k in range(n_chunks):
+                    tokens = sum(min(chunk, max(0.0, x - k * chunk)) for x in cold)
+                    free_slot = attn_ids[-p.staging_buffers:][:1] \
+                        if len(attn_ids) >= p.staging_buffers else []
+                    link = _chain(g, link_prev, name=f"L{layer} c{k}", resource="link",
+                                  duration=tokens * c.kv_bytes("target") / layers / c.link_bw,
+                                  kind="link", group=gi, round=r, deps=free_slot)
+                    attn = c.attention_s("target", b.q + 1, tokens) / layers
+                    attn_ids.append(_chain(g, verify_prev, name=f"L{layer} c{k} attn",
+                                           resource="compute", duration=attn * slow,
+                                           kind="verify", group=gi, round=r, deps=[link]))
+                verified[gi] = _chain(g, verify_prev, name=f"L{layer} merge+mlp",
+                                      resource="compute", duration=0.75 * lin * slow,
+                                      kind="verify", group=gi, round=r)
+            if gi == 0:
+                marks.append(verified[gi])
+    return marks
