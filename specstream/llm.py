@@ -35,6 +35,7 @@ class LLM:
         self,
         model: str | Path | None = None,
         draft_model: str | Path | None = None,
+        trace: bool = False,
         **kwargs: Any,
     ) -> None:
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -50,7 +51,7 @@ class LLM:
             kwargs.setdefault("num_speculative_tokens", 4)
         self.config = EngineConfig(draft_model=str(draft_model) if draft_model else None,
                                    **kwargs)
-        self.engine = LLMEngine(model, self.config)
+        self.engine = LLMEngine(model, self.config, trace=trace)
         self.tokenizer = self.engine.tokenizer
 
     def _encode(self, prompt: Prompt) -> list[int]:

@@ -89,3 +89,15 @@ def test_draft_equal_to_target_accepts_everything(tiny_target, prompts, referenc
     assert tokens == reference[:2]
     assert m["acceptance_rate"] == 1.0
     assert m["mean_accepted_len"] > 4.0
+
+
+@pytest.mark.parametrize("mode", ["specstream", "parallel-spec"])
+def test_overlapped_modes_two_groups(tiny_target, tiny_draft, reference, mode):
+    """Eight requests: two groups alternate verify and draft; output still target-only greedy."""
+    prompts = _prompts((5, 300, 1200)) + _prompts((40, 90, 200, 260, 700), seed=1)
+    ref_tail, _ = _run(tiny_target, prompts[3:], mode="resident", device_kv_bytes=16 << 20)
+    tokens, m = _run(tiny_target, prompts, mode=mode, device_kv_bytes=1_600_000,
+                     draft_model=tiny_draft, num_speculative_tokens=3, link_gbps=2.0, **OFFLOAD)
+    assert tokens == reference + ref_tail
+    assert m["rounds"] > 0 and m["link_utilization"] > 0
+    assert m["round_time_over_floor"] >= 0.99  # a round can never beat its floor

@@ -5,6 +5,7 @@ The executor reads the plan and never touches requests; it returns a StepResult.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -12,19 +13,55 @@ import torch
 from specstream.backends.base import TransferBackend, TransferError
 from specstream.engine.attention import StepAttention
 from specstream.engine.history import HistorySource
+from specstream.engine.overlap import GapFiller
 from specstream.engine.scheduler import StepPlan, StepResult
+from specstream.engine.trace import Tracer
 from specstream.kvcache.storage import KVStore
 from specstream.models.decoder import CausalLM
 from specstream.spec.acceptance import accept_drafts
+from specstream.spec.proposer import ProposeJob
+
+
+class _DraftWorker:
+    """Runs a draft job on its own thread: the second device of parallel-spec."""
+
+    def __init__(self, job: ProposeJob, tracer: Tracer) -> None:
+        self.job, self.tracer, self.draft_s = job, tracer, 0.0
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="draft-device", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            torch.set_num_threads(1)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                self.job.result()
+            self.draft_s = time.perf_counter() - t0
+            self.tracer.add("draft", "draft (second device)", t0, t0 + self.draft_s)
+        except BaseException as exc:  # surfaced in join()
+            self.error = exc
+
+    def join(self) -> float:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.draft_s
 
 
 class Executor:
+    """``drafting`` says where a step's draft job runs: "sequential" (after verification),
+    "gaps" (in the transfer gaps of verification, same device) or "parallel" (a second
+    worker, standing for a second device)."""
+
     def __init__(
-        self, model: CausalLM, store: KVStore, backend: TransferBackend, history: HistorySource
+        self, model: CausalLM, store: KVStore, backend: TransferBackend, history: HistorySource,
+        drafting: str = "sequential", tracer: Tracer | None = None,
     ) -> None:
         self.model, self.store, self.backend, self.history = model, store, backend, history
         self.device = store.device.device
-        self.compute_s = 0.0  # time spent in forward passes and verification
+        self.drafting = drafting
+        self.tracer = tracer or Tracer(False)
 
     def writeback(self, plan: StepPlan) -> dict[str, str]:
         """Perform the plan's device-to-host copies and wait for them (errors per request)."""
@@ -38,12 +75,39 @@ class Executor:
                     errors[rid] = f"KV write-back failed: {exc}"
         return errors
 
-    @torch.no_grad()
-    def run(self, plan: StepPlan) -> StepResult:
-        result = StepResult(errors=self.writeback(plan))
-        if not plan.seqs:
-            return result
+    def run(self, plan: StepPlan, draft: ProposeJob | None = None) -> StepResult:
+        """Run the plan; ``draft`` (drafts for requests not verified this step) runs per
+        ``self.drafting``. Timings in the result separate link waits from compute."""
         t0 = time.perf_counter()
+        wait0 = self.history.wait_s
+        worker = None
+        if draft is not None and self.drafting == "parallel":
+            worker = _DraftWorker(draft, self.tracer)
+        elif draft is not None and self.drafting == "gaps":
+            self.history.gap = GapFiller(draft, self.tracer)
+        result = StepResult(errors=self.writeback(plan))
+        if plan.seqs:
+            with self.tracer.span("verify", "verify", tokens=plan.num_tokens):
+                self._forward_and_verify(plan, result)
+        result.wait_s = self.history.wait_s - wait0
+        gap, self.history.gap = self.history.gap, None
+        if gap is not None:
+            result.draft_s = gap.draft_s + gap.finish()
+        elif worker is not None:
+            result.draft_s = worker.join()
+        elif draft is not None:
+            with self.tracer.span("draft", "draft (sequential)"):
+                d0 = time.perf_counter()
+                draft.result()
+                result.draft_s = time.perf_counter() - d0
+        if draft is not None:
+            result.proposals = draft.result()
+        result.wall_s = time.perf_counter() - t0
+        result.start = t0
+        return result
+
+    @torch.no_grad()
+    def _forward_and_verify(self, plan: StepPlan, result: StepResult) -> None:
         ids = [t for s in plan.seqs for t in s.token_ids]
         pos = [p for s in plan.seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))]
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -60,8 +124,6 @@ class Executor:
                    result.errors]
         if sampled:
             self._verify(plan, sampled, ctx.rows, hidden, result)
-        self.compute_s += time.perf_counter() - t0
-        return result
 
     def _verify(
         self,

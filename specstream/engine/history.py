@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from specstream.backends.base import TransferError, TransferHandle
+from specstream.engine.overlap import GapFiller
 from specstream.engine.scheduler import StepPlan
 from specstream.kvcache.storage import KVStore
 
@@ -60,6 +62,8 @@ class HistorySource(ABC):
         self.chunk_tokens = chunk_tokens
         self.staging_buffers = staging_buffers
         self.peak_bytes = 0  # device bytes this source held at most
+        self.wait_s = 0.0  # time attention sat waiting for copies (summed over steps)
+        self.gap: GapFiller | None = None  # drafting to run while waiting (stream only)
 
     def begin(self, plan: StepPlan) -> None:  # noqa: B027
         """Issue what can be issued before the forward pass."""
@@ -119,7 +123,9 @@ class LayerRestore(HistorySource):
             return
         if self.restored_layer != layer:
             # full restore of the layer before any attention on it; then prefetch the next one
+            t0 = time.perf_counter()
             self.errors = [_wait_all(h) for h in self.handles.pop(layer)]
+            self.wait_s += time.perf_counter() - t0
             self.restored_layer = layer
             self._issue(layer + 1)
         error = self.errors[index]
@@ -145,6 +151,7 @@ class _Job:
     tag: object
     slot: int = -1
     handles: tuple[TransferHandle, ...] = ()
+    expected_end: float = 0.0  # when the copy should land, from the link-rate estimate
 
 
 @register_source("stream")
@@ -158,6 +165,10 @@ class ChunkStream(HistorySource):
         shape = (2, blocks, store.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.ring = [store.backend.alloc_device(shape, store.dtype) for _ in range(staging_buffers)]
         self.ring_bytes = staging_buffers * chunk_tokens * store.layer_token_bytes
+        self.chunk_bytes_per_block = store.block_size * store.layer_token_bytes
+        # bytes/s of the link, for the gap filler's landing estimates (refined by the engine)
+        self.link_bps = 10e9
+        self._link_free_at = 0.0
 
     def begin(self, plan: StepPlan) -> None:
         self.jobs: deque[_Job] = deque(
@@ -167,6 +178,7 @@ class ChunkStream(HistorySource):
             for chunk in s.restore_chunks
         )
         self.pending: deque[_Job] = deque()  # issued, not consumed, in order
+        self._link_free_at = 0.0
         self.free_slots = deque(range(len(self.ring)))
         if self.jobs:
             self.peak_bytes = self.ring_bytes
@@ -179,6 +191,9 @@ class ChunkStream(HistorySource):
             job.handles = tuple(
                 self.store.restore(job.layer, job.blocks, self.ring[job.slot], job.tag)
             )
+            start = max(time.perf_counter(), self._link_free_at)
+            job.expected_end = start + len(job.blocks) * self.chunk_bytes_per_block / self.link_bps
+            self._link_free_at = job.expected_end
             self.pending.append(job)
 
     def pieces(self, layer: int, index: int) -> Iterator[Piece]:
@@ -186,7 +201,11 @@ class ChunkStream(HistorySource):
         error: TransferError | None = None
         while self.pending and (self.pending[0].layer, self.pending[0].index) == (layer, index):
             job = self.pending.popleft()
+            if self.gap is not None:
+                self.gap.fill(lambda j=job: all(h.done() for h in j.handles), job.expected_end)
+            t0 = time.perf_counter()
             err = _wait_all(list(job.handles))
+            self.wait_s += time.perf_counter() - t0
             if err is None and error is None:
                 n = len(job.blocks)
                 buf = self.ring[job.slot]

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from specstream.backends import limit_compute_threads, make_backend
 from specstream.config import EngineConfig
 from specstream.engine.executor import Executor
-from specstream.engine.history import make_source
+from specstream.engine.history import ChunkStream, make_source
 from specstream.engine.request import CompletionOutput, Request, RequestOutput
 from specstream.engine.scheduler import Scheduler, SeqWork, StepPlan, StepResult
+from specstream.engine.trace import Tracer
 from specstream.kvcache.manager import KVManager, OffloadPolicy
 from specstream.kvcache.storage import KVStore
 from specstream.models.loader import load_model, resolve_dtype
@@ -19,15 +21,16 @@ from specstream.sampling import make_generator
 from specstream.sampling_params import SamplingParams
 from specstream.spec import make_proposer
 from specstream.spec.draft import DraftModelProposer
-from specstream.spec.proposer import Proposer, ProposeRequest
+from specstream.spec.proposer import Proposal, ProposeJob, Proposer, ProposeRequest
 from specstream.tokenizer import Tokenizer
 
 
 class LLMEngine:
     """Continuous-batching engine over one target model (and optionally a proposer)."""
 
-    def __init__(self, model: str | Path, config: EngineConfig) -> None:
+    def __init__(self, model: str | Path, config: EngineConfig, trace: bool = False) -> None:
         self.config = config
+        self.tracer = Tracer(trace)
         device = config.device
         if device.startswith("cpu") and config.compute_threads is not None:
             limit_compute_threads(config.compute_threads)
@@ -69,13 +72,20 @@ class LLMEngine:
                                    config.staging_buffers)
         cap = history_reserve // (2 * layer_token_bytes) if mode.history == "restore" else None
         self.scheduler = Scheduler(config, self.kv, restore_token_cap=cap)
-        self.executor = Executor(self.model, self.store, self.backend, self.history)
+        if isinstance(self.history, ChunkStream) and config.link_gbps:
+            self.history.link_bps = config.link_gbps * 1e9
+        self.executor = Executor(self.model, self.store, self.backend, self.history,
+                                 drafting=mode.drafting, tracer=self.tracer)
         self.proposer = self._make_proposer() if config.speculative else None
+        self.overlapped = self.scheduler.two_groups
         self._ids = itertools.count()
-        self.counters = {"steps": 0, "decode_steps": 0, "prompt_tokens": 0,
-                         "generated_tokens": 0, "proposed_tokens": 0, "accepted_tokens": 0,
-                         "rounds": 0}
-        self.draft_s = 0.0
+        self.counters: dict[str, float] = {
+            "steps": 0, "decode_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
+            "proposed_tokens": 0, "accepted_tokens": 0, "rounds": 0, "link_bytes_h2d": 0,
+            "link_bytes_d2h": 0, "link_busy_s": 0.0, "compute_s": 0.0, "draft_s": 0.0,
+            "decode_time_s": 0.0, "decode_link_busy_s": 0.0,
+        }
+        self.rounds: list[RoundStats] = []
 
     def _make_proposer(self) -> Proposer:
         cfg = self.config
@@ -126,15 +136,18 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One round: schedule, run (restore, verify, draft), postprocess."""
         plan = self.scheduler.schedule()
-        result = self.executor.run(plan)
-        return self._postprocess(plan, result)
+        draft_batch, job = self._overlapped_drafts(plan)
+        result = self.executor.run(plan, job)
+        outputs = self._postprocess(plan, result, draft_batch)
+        self._account(plan, result)
+        return outputs
 
-    def _postprocess(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+    def _postprocess(
+        self, plan: StepPlan, result: StepResult, draft_batch: list[ProposeRequest]
+    ) -> list[RequestOutput]:
         self.scheduler.complete_writebacks(plan)
-        self.counters["steps"] += 1
-        if any(s.sample and not _is_prefill(s) for s in plan.seqs):
-            self.counters["decode_steps"] += 1
         touched: list[Request] = []
         for work in plan.seqs:
             req = self.scheduler.requests[work.request_id]
@@ -149,14 +162,59 @@ class LLMEngine:
                 self._count_round(req, work, len(new))
             self.scheduler.commit(work, req, len(new))
             self._append(req, new)
+            if work.sample and not req.finished and self.proposer is not None:
+                if req.group < 0 and self.overlapped:
+                    self.scheduler.assign_group(req)
+                req.needs_draft = self._num_drafts(req) > 0
         for rid, msg in result.errors.items():  # write-back failures of requests not in plan
             req = self.scheduler.requests.get(rid)
             if req is not None and not req.finished:
                 self._finish(req, "error", msg)
                 touched.append(req)
-        if self.proposer is not None:
-            self._propose()
+        if result.proposals is not None:
+            self._apply_drafts(draft_batch, result.proposals)
+        if self.proposer is not None and not self.overlapped:
+            t0 = time.perf_counter()
+            batch = self._draft_batch(set())
+            if batch:
+                with self.tracer.span("draft", "draft (sequential)"):
+                    self._apply_drafts(batch, self.proposer.propose(batch))
+            result.draft_s += time.perf_counter() - t0
         return [self._output(r) for r in touched]
+
+    def _account(self, plan: StepPlan, result: StepResult) -> None:
+        """Fold one step's link records and timings into the counters and round stats."""
+        end = time.perf_counter()
+        records = self.backend.busy_intervals()
+        self.backend.reset_stats()
+        busy, cur = 0.0, (0.0, 0.0)
+        for r in records:
+            self.counters["link_bytes_h2d" if r.direction == "h2d" else "link_bytes_d2h"] += (
+                r.nbytes)
+            self.tracer.add(f"link {r.direction}", str(r.tag), r.start, r.end, bytes=r.nbytes)
+            if r.start > cur[1]:
+                busy += cur[1] - cur[0]
+                cur = (r.start, r.end)
+            else:
+                cur = (cur[0], max(cur[1], r.end))
+        busy += cur[1] - cur[0]
+        wall = end - result.start
+        compute = wall - result.wait_s
+        c = self.counters
+        c["steps"] += 1
+        c["link_busy_s"] += busy
+        c["compute_s"] += compute
+        c["draft_s"] += result.draft_s
+        decode = any(s.sample and not _is_prefill(s) for s in plan.seqs)
+        if decode:
+            c["decode_steps"] += 1
+            c["decode_time_s"] += wall
+            c["decode_link_busy_s"] += busy
+            floor = max(busy, compute if self.config.mode_spec.drafting != "parallel"
+                        else max(compute, result.draft_s))
+            self.rounds.append(RoundStats(result.start, wall, busy, compute, result.draft_s,
+                                          result.wait_s, floor))
+            self.tracer.add("round", "round", result.start, end)
 
     def _count_round(self, req: Request, work: SeqWork, num_new: int) -> None:
         if req.first_token_time is None:
@@ -197,28 +255,43 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.free(req.request_id)
 
-    def _propose(self) -> None:
-        assert self.proposer is not None
+    def _num_drafts(self, req: Request) -> int:
+        q = req.params.num_speculative_tokens
+        q = self.config.num_speculative_tokens if q is None else q
+        room = min(req.params.max_tokens - len(req.output_token_ids),
+                   self.max_model_len - req.num_tokens) - 1
+        return max(0, min(q, room))
+
+    def _draft_batch(self, exclude: set[str]) -> list[ProposeRequest]:
+        """Requests that need drafts now (sequential: every decoding one)."""
         batch = []
         for req in self.scheduler.running:
-            if req.in_prefill or req.finished:
+            if req.in_prefill or req.finished or req.request_id in exclude:
                 continue
-            q = req.params.num_speculative_tokens
-            q = self.config.num_speculative_tokens if q is None else q
-            room = min(req.params.max_tokens - len(req.output_token_ids),
-                       self.max_model_len - req.num_tokens) - 1
-            q = max(0, min(q, room))
+            if self.overlapped and not req.needs_draft:
+                continue
+            q = self._num_drafts(req)
             if q:
                 batch.append(ProposeRequest(req.request_id, req.all_token_ids, q, req.params))
-        if not batch:
-            return
-        t0 = time.perf_counter()
-        proposals = self.proposer.propose(batch)
-        self.draft_s += time.perf_counter() - t0
+        return batch
+
+    def _overlapped_drafts(
+        self, plan: StepPlan
+    ) -> tuple[list[ProposeRequest], ProposeJob | None]:
+        """In overlapped modes: the draft job for the group not verified in this step."""
+        if not self.overlapped or self.proposer is None:
+            return [], None
+        batch = self._draft_batch({s.request_id for s in plan.seqs})
+        return batch, (self.proposer.start(batch) if batch else None)
+
+    def _apply_drafts(self, batch: list[ProposeRequest], proposals: list[Proposal]) -> None:
         for pr, prop in zip(batch, proposals):
             req = self.scheduler.requests[pr.request_id]
+            if req.finished:
+                continue
             req.draft_token_ids = list(prop.token_ids)
             req.draft_probs = prop.probs
+            req.needs_draft = False
 
     # ---- outputs and metrics ------------------------------------------------------------
     def _output(self, req: Request) -> RequestOutput:
@@ -241,7 +314,6 @@ class LLMEngine:
 
     def get_metrics(self) -> dict[str, float]:
         c = dict(self.counters)
-        link = self.backend.stats()
         block_bytes = self.store.block_bytes
         c.update({
             "mode": self.config.mode,  # type: ignore[dict-item]
@@ -251,11 +323,6 @@ class LLMEngine:
             "host_kv_peak_bytes": self.kv.host.peak_used * block_bytes,
             "device_kv_used_bytes": self.kv.device.num_used * block_bytes,
             "host_kv_used_bytes": self.kv.host.num_used * block_bytes,
-            "link_bytes_h2d": link["bytes_h2d"],
-            "link_bytes_d2h": link["bytes_d2h"],
-            "link_busy_s": link["busy_s"],
-            "compute_s": self.executor.compute_s,
-            "draft_s": self.draft_s,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "max_concurrency": self.scheduler.max_concurrency,
@@ -263,10 +330,27 @@ class LLMEngine:
         rounds, proposed = c["rounds"], c["proposed_tokens"]
         c["acceptance_rate"] = c["accepted_tokens"] / proposed if proposed else 0.0
         c["mean_accepted_len"] = (c["accepted_tokens"] + rounds) / rounds if rounds else 0.0
+        dt = c["decode_time_s"]
+        c["link_utilization"] = c["decode_link_busy_s"] / dt if dt else 0.0
+        floors = [r.wall_s / r.floor_s for r in self.rounds if r.floor_s > 0]
+        c["round_time_over_floor"] = sum(floors) / len(floors) if floors else 0.0
         return c
 
     def close(self) -> None:
         self.backend.close()
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    """One decode round: wall time against its floor max(link busy, compute)."""
+
+    start: float
+    wall_s: float
+    link_s: float
+    compute_s: float  # on the target's device: wall minus time blocked on the link
+    draft_s: float
+    wait_s: float
+    floor_s: float
 
 
 def _is_prefill(s: SeqWork) -> bool:

@@ -31,6 +31,10 @@ class Request:
     # Draft tokens proposed for the next round (verified together with the last token).
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), V] or None
+    # Overlapped modes: drafts for the next round are still to be made (in the next step).
+    needs_draft: bool = False
+    # Overlapped modes: which of the two groups (verified on alternate steps) it belongs to.
+    group: int = -1
     finish_reason: str | None = None
     error: str | None = None
     output_text: str = ""

@@ -20,6 +20,7 @@ from specstream.config import EngineConfig
 from specstream.engine.request import Request, Status
 from specstream.kvcache.manager import KVManager
 from specstream.sampling_params import SamplingParams
+from specstream.spec.proposer import Proposal
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,13 @@ class StepResult:
     new_tokens: dict[str, list[int]] = field(default_factory=dict)
     # request id -> error message, for requests whose step failed (e.g. a transfer).
     errors: dict[str, str] = field(default_factory=dict)
+    # Drafts made during the step for requests that were not verified in it.
+    proposals: list[Proposal] | None = None
+    # Timings (perf_counter seconds): step start, wall time, time waiting on the link, drafting.
+    start: float = 0.0
+    wall_s: float = 0.0
+    wait_s: float = 0.0
+    draft_s: float = 0.0
 
 
 @dataclass
@@ -92,6 +100,10 @@ class Scheduler:
         self._pending_writebacks: list[tuple[str, tuple[tuple[int, int], ...]]] = []
         self.max_concurrency = 0
         self._rr = 0  # round-robin start when a step cannot take every running request
+        # Overlapped modes verify one group per step while the other group drafts.
+        spec = config.mode_spec
+        self.two_groups = config.speculative and spec.drafting in ("gaps", "parallel")
+        self._parity = 0
 
     # ---- admission ----------------------------------------------------------------------
     @property
@@ -176,8 +188,26 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def assign_group(self, req: Request) -> None:
+        """Put a request that starts decoding into the smaller of the two groups."""
+        sizes = [0, 0]
+        for r in self.running:
+            if r.group >= 0:
+                sizes[r.group] += 1
+        req.group = 0 if sizes[0] <= sizes[1] else 1
+
+    def _verify_group(self) -> int | None:
+        """The group verified this step (two-group modes), falling back to the other group."""
+        if not self.two_groups:
+            return None
+        ready = {r.group for r in self.running if not r.in_prefill and not r.needs_draft}
+        group = self._parity if self._parity in ready or not ready else 1 - self._parity
+        self._parity = 1 - group
+        return group
+
     def schedule(self) -> StepPlan:
         self._admit()
+        group = self._verify_group()
         seqs: list[SeqWork] = []
         prefill_budget = self.config.max_prefill_tokens
         history_budget = self.restore_token_cap
@@ -186,6 +216,10 @@ class Scheduler:
         self._rr += 1
         for req in order:
             rid = req.request_id
+            if not req.in_prefill and (
+                req.needs_draft or (group is not None and req.group != group)
+            ):
+                continue  # its drafts are being made, or the other group verifies now
             host_tokens = self.kv.host_tokens(rid) if rid in self.kv.seqs else 0
             if history_budget is not None and host_tokens:
                 if host_tokens > history_budget:

@@ -6,6 +6,7 @@ from specstream.spec.acceptance import AcceptOutput, accept_drafts
 from specstream.spec.ngram import NgramProposer, ngram_lookup
 from specstream.spec.proposer import (
     Proposal,
+    ProposeJob,
     Proposer,
     ProposeRequest,
     available_proposers,
@@ -18,6 +19,7 @@ __all__ = [
     "AcceptOutput",
     "NgramProposer",
     "Proposal",
+    "ProposeJob",
     "ProposeRequest",
     "Proposer",
     "accept_drafts",

@@ -18,7 +18,13 @@ import torch
 from specstream.attention import causal_mask, partial_attention
 from specstream.models.decoder import CausalLM
 from specstream.sampling import logits_to_probs, make_generator, sample
-from specstream.spec.proposer import Proposal, Proposer, ProposeRequest, register_proposer
+from specstream.spec.proposer import (
+    Proposal,
+    ProposeJob,
+    Proposer,
+    ProposeRequest,
+    register_proposer,
+)
 
 
 @dataclass
@@ -97,7 +103,7 @@ class DraftModelProposer(Proposer):
         self.caches.pop(request_id, None)
 
     # ---- drafting -------------------------------------------------------------------
-    @torch.inference_mode()
+    @torch.no_grad()
     def _forward(
         self, caches: list[_SeqCache], tokens: list[list[int]], positions: list[list[int]]
     ) -> torch.Tensor:
@@ -117,45 +123,76 @@ class DraftModelProposer(Proposer):
         return self.model.compute_logits(hidden[last])
 
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
-        active = [r for r in requests if r.num_tokens > 0]
-        out = {r.request_id: Proposal([]) for r in requests}
-        if not active:
-            return list(out.values())
-        caches = []
-        for r in active:
-            c = self.caches.get(r.request_id)
+        job = self.start(requests)
+        while job.step():
+            pass
+        return job.result()
+
+    def start(self, requests: Sequence[ProposeRequest]) -> DraftJob:
+        """Drafting as a job that advances one draft forward pass per ``step()``, so the engine
+        can run it in the gaps that transfers leave."""
+        return DraftJob(self, requests)
+
+
+class DraftJob(ProposeJob):
+    """Drafts for a batch of requests, one batched draft forward per ``step``."""
+
+    def __init__(self, proposer: DraftModelProposer, requests: Sequence[ProposeRequest]) -> None:
+        super().__init__(proposer, requests)
+        self.p, self.requests = proposer, list(requests)
+        self.active = [r for r in self.requests if r.num_tokens > 0]
+        self.caches = []
+        for r in self.active:
+            c = proposer.caches.get(r.request_id)
             if c is None:
-                c = self.caches[r.request_id] = _SeqCache(
-                    generator=make_generator(r.params, self.device)
+                c = proposer.caches[r.request_id] = _SeqCache(
+                    generator=make_generator(r.params, proposer.device)
                 )
                 if c.generator is not None:  # independent of the target's stream
                     c.generator.manual_seed((r.params.seed or 0) + 0x5EED)
-            caches.append(c)
-        feeds = [self._catch_up(c, r.token_ids) for c, r in zip(caches, active)]
-        tokens = [f[0] for f in feeds]
-        positions = [f[1] for f in feeds]
-        drafted: list[list[int]] = [[] for _ in active]
-        probs: list[list[torch.Tensor]] = [[] for _ in active]
-        live = list(range(len(active)))
-        while live:
-            logits = self._forward([caches[i] for i in live], [tokens[i] for i in live],
-                                   [positions[i] for i in live])
-            params = [active[i].params for i in live]
-            p = logits_to_probs(
-                logits, [x.temperature for x in params], [x.top_k for x in params],
-                [x.top_p for x in params],
-            )
-            nxt = sample(p, [caches[i].generator for i in live])
-            still = []
-            for j, i in enumerate(live):
-                drafted[i].append(int(nxt[j]))
-                probs[i].append(p[j])
-                if len(drafted[i]) < active[i].num_tokens:
-                    pos = len(active[i].token_ids) + len(drafted[i]) - 1
-                    tokens[i], positions[i] = [int(nxt[j])], [pos]
-                    still.append(i)
-            live = still
-        for i, r in enumerate(active):
-            greedy = r.params.greedy
-            out[r.request_id] = Proposal(drafted[i], None if greedy else torch.stack(probs[i]))
-        return [out[r.request_id] for r in requests]
+            self.caches.append(c)
+        feeds = [proposer._catch_up(c, r.token_ids) for c, r in zip(self.caches, self.active)]
+        self.tokens = [f[0] for f in feeds]
+        self.positions = [f[1] for f in feeds]
+        self.drafted: list[list[int]] = [[] for _ in self.active]
+        self.probs: list[list[torch.Tensor]] = [[] for _ in self.active]
+        self.live = list(range(len(self.active)))
+        self.num_steps = 0
+
+    @property
+    def done(self) -> bool:
+        return not self.live
+
+    def step(self) -> bool:
+        """One draft forward for every request still drafting; True while work remains."""
+        if not self.live:
+            return False
+        live, active, caches = self.live, self.active, self.caches
+        logits = self.p._forward([caches[i] for i in live], [self.tokens[i] for i in live],
+                                 [self.positions[i] for i in live])
+        params = [active[i].params for i in live]
+        p = logits_to_probs(
+            logits, [x.temperature for x in params], [x.top_k for x in params],
+            [x.top_p for x in params],
+        )
+        nxt = sample(p, [caches[i].generator for i in live])
+        still = []
+        for j, i in enumerate(live):
+            self.drafted[i].append(int(nxt[j]))
+            self.probs[i].append(p[j])
+            if len(self.drafted[i]) < active[i].num_tokens:
+                pos = len(active[i].token_ids) + len(self.drafted[i]) - 1
+                self.tokens[i], self.positions[i] = [int(nxt[j])], [pos]
+                still.append(i)
+        self.live = still
+        self.num_steps += 1
+        return bool(self.live)
+
+    def result(self) -> list[Proposal]:
+        while self.step():
+            pass
+        out = {r.request_id: Proposal([]) for r in self.requests}
+        for i, r in enumerate(self.active):
+            probs = None if r.params.greedy else torch.stack(self.probs[i])
+            out[r.request_id] = Proposal(self.drafted[i], probs)
+        return [out[r.request_id] for r in self.requests]

@@ -38,12 +38,45 @@ class Proposal:
     probs: Tensor | None = None
 
 
+class ProposeJob:
+    """Drafting in steps, so an engine can interleave it with other work.
+
+    ``step()`` does one unit of work and returns True while more remains; ``result()`` finishes
+    whatever is left and returns one Proposal per request. This base class does everything at
+    once (for proposers whose drafting is cheap, such as n-gram lookup).
+    """
+
+    def __init__(self, proposer: Proposer, requests: Sequence[ProposeRequest]) -> None:
+        self._proposer, self._requests = proposer, list(requests)
+        self._result: list[Proposal] | None = None
+        self.num_steps = 0
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    def step(self) -> bool:
+        if self._result is None:
+            self._result = self._proposer.propose(self._requests)
+            self.num_steps += 1
+        return False
+
+    def result(self) -> list[Proposal]:
+        self.step()
+        assert self._result is not None
+        return self._result
+
+
 class Proposer(ABC):
     """Drafts tokens for a batch of requests; the target verifies them with ``accept_drafts``."""
 
     @abstractmethod
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
         """One Proposal per request, in order."""
+
+    def start(self, requests: Sequence[ProposeRequest]) -> ProposeJob:
+        """Drafting for ``requests`` as a job that advances in steps."""
+        return ProposeJob(self, requests)
 
     def rollback(self, request_id: str, num_tokens_kept: int) -> None:  # noqa: B027
         """Forget state past the first ``num_tokens_kept`` tokens (rejected drafts)."""
