@@ -212,8 +212,11 @@ class LLMEngine:
             c["decode_link_busy_s"] += busy
             floor = max(busy, compute if self.config.mode_spec.drafting != "parallel"
                         else max(compute, result.draft_s))
-            self.rounds.append(RoundStats(result.start, wall, busy, compute, result.draft_s,
-                                          result.wait_s, floor))
+            self.rounds.append(RoundStats(
+                result.start, wall, busy, compute, result.draft_s, result.wait_s, floor,
+                plan.num_tokens, sum(s.start_pos + len(s.token_ids) for s in plan.seqs),
+                len(plan.seqs),
+            ))
             self.tracer.add("round", "round", result.start, end)
 
     def _count_round(self, req: Request, work: SeqWork, num_new: int) -> None:
@@ -351,6 +354,9 @@ class RoundStats:
     draft_s: float
     wait_s: float
     floor_s: float
+    query_tokens: int = 0  # tokens the target processed in the round (all requests)
+    context_tokens: int = 0  # tokens attended (all requests)
+    num_seqs: int = 0
 
 
 def _is_prefill(s: SeqWork) -> bool:

@@ -1,0 +1,149 @@
+"""Run one workload through every mode in one process, with the same seeds and budget."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specstream.bench.workload import Workload, build_prompts
+from specstream.llm import LLM
+from specstream.sampling_params import SamplingParams
+
+ALL_MODES = ("resident", "offload", "offload-spec", "specstream", "parallel-spec")
+
+
+@dataclass
+class BenchSettings:
+    model: str | None = None
+    draft_model: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    device_kv_bytes: int = 64 << 20
+    host_kv_bytes: int = 4 << 30
+    link_gbps: float | None = 1.0
+    num_speculative_tokens: int = 4
+    block_size: int = 128
+    chunk_tokens: int = 1024
+    staging_buffers: int = 2
+    resident_tail_tokens: int = 256
+    offload_after_tokens: int = 512
+    max_prefill_tokens: int = 1024
+    max_num_seqs: int = 64
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def engine_kwargs(self, mode: str) -> dict[str, Any]:
+        kw = dict(mode=mode, device=self.device, dtype=self.dtype,
+                  device_kv_bytes=self.device_kv_bytes, host_kv_bytes=self.host_kv_bytes,
+                  link_gbps=self.link_gbps, block_size=self.block_size,
+                  chunk_tokens=self.chunk_tokens, staging_buffers=self.staging_buffers,
+                  resident_tail_tokens=self.resident_tail_tokens,
+                  offload_after_tokens=self.offload_after_tokens,
+                  max_prefill_tokens=self.max_prefill_tokens, max_num_seqs=self.max_num_seqs,
+                  seed=self.seed)
+        kw.update(self.extra)
+        if mode != "offload":
+            kw.update(proposer="draft", num_speculative_tokens=self.num_speculative_tokens)
+        return kw
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def run_mode(
+    mode: str, workload: Workload, s: BenchSettings, trace: str | None = None
+) -> tuple[dict[str, Any], list[list[int]], LLM]:
+    """Run the workload in one mode; returns (metrics, greedy token ids, the LLM)."""
+    from specstream.llm import default_model_dir
+
+    draft = s.draft_model or (str(default_model_dir("draft")) if s.model is None else None)
+    llm = LLM(s.model, draft_model=draft if mode != "offload" else None,
+              trace=trace is not None, **s.engine_kwargs(mode))
+    vocab = llm.engine.model_config.vocab_size
+    prompts = build_prompts(workload, llm.tokenizer, vocab, seed=s.seed)
+    params = SamplingParams(temperature=0, max_tokens=workload.output_len, ignore_eos=True)
+    llm.generate([prompts[0][:64]], SamplingParams(temperature=0, max_tokens=4,
+                                                    ignore_eos=True), use_tqdm=False)  # warm-up
+    base = llm.get_metrics()
+    llm.engine.rounds.clear()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    m = llm.get_metrics()
+    tokens = [o.outputs[0].token_ids for o in outs]
+    n_out = sum(len(t) for t in tokens)
+    devices = llm.config.mode_spec.devices
+    ttft = [o.metrics.get("ttft_s", 0.0) * 1e3 for o in outs]
+    tpot = [o.metrics.get("tpot_s", 0.0) * 1e3 for o in outs]
+    decode_t = m["decode_time_s"] - base["decode_time_s"]
+    decode_link = m["decode_link_busy_s"] - base["decode_link_busy_s"]
+    rounds = llm.engine.rounds
+    floors = [r.wall_s / r.floor_s for r in rounds if r.floor_s > 0]
+    accepted = m["accepted_tokens"] - base["accepted_tokens"]
+    nrounds = m["rounds"] - base["rounds"]
+    result = {
+        "mode": mode,
+        "output_tokens": n_out,
+        "wall_s": wall,
+        "output_tokens_per_s": n_out / wall,
+        "output_tokens_per_s_per_device": n_out / wall / devices,
+        "devices": devices,
+        "mean_accepted_len": (accepted + nrounds) / nrounds if nrounds else 1.0,
+        "link_utilization": decode_link / decode_t if decode_t else 0.0,
+        "round_time_over_floor": sum(floors) / len(floors) if floors else 0.0,
+        "mean_round_ms": 1e3 * sum(r.wall_s for r in rounds) / len(rounds) if rounds else 0.0,
+        "device_kv_peak_bytes": m["device_kv_peak_bytes"],
+        "host_kv_peak_bytes": m["host_kv_peak_bytes"],
+        "max_concurrency": m["max_concurrency"],
+        "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99),
+        "tpot_ms_p50": _pct(tpot, 50), "tpot_ms_p99": _pct(tpot, 99),
+        "link_bytes_h2d": m["link_bytes_h2d"] - base["link_bytes_h2d"],
+        "acceptance_rate": m["acceptance_rate"],
+        "rounds": [
+            {"wall_s": r.wall_s, "link_s": r.link_s, "compute_s": r.compute_s,
+             "draft_s": r.draft_s, "floor_s": r.floor_s, "query_tokens": r.query_tokens,
+             "context_tokens": r.context_tokens, "num_seqs": r.num_seqs}
+            for r in rounds
+        ],
+    }
+    if trace is not None:
+        path = Path(trace)
+        llm.engine.tracer.to_chrome(path)
+        llm.engine.tracer.to_png(path.with_suffix(".png"),
+                                 title=f"{mode}: link, verify and draft lanes")
+    return result, tokens, llm
+
+
+def run_all(
+    workload: Workload, s: BenchSettings, modes: tuple[str, ...] = ALL_MODES,
+    trace: str | None = None, progress: bool = True,
+) -> dict[str, dict[str, Any]]:
+    """Every mode on the same workload; ``outputs_match_reference`` compares to resident."""
+    results: dict[str, dict[str, Any]] = {}
+    reference: list[list[int]] | None = None
+    order = ["resident"] + [m for m in modes if m != "resident"]
+    for mode in order:
+        if progress:
+            print(f"[bench] {mode} ...", flush=True)
+        mode_trace = None
+        if trace is not None and mode == "specstream":
+            mode_trace = trace
+        res, tokens, llm = run_mode(mode, workload, s, trace=mode_trace)
+        llm.close()
+        if reference is None:
+            reference = tokens
+        res["outputs_match_reference"] = tokens == reference
+        if mode in modes:
+            results[mode] = res
+        if progress:
+            print(f"[bench] {mode}: {res['output_tokens_per_s']:.1f} tok/s, "
+                  f"{res['wall_s']:.1f}s", flush=True)
+    return results
