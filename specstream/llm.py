@@ -135,7 +135,12 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer, so no chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c) for c in convs]  # type: ignore[arg-type]
+        # the template writes any BOS itself, so the rendered text is encoded without specials
+        prompts = [
+            self.tokenizer.encode(self.tokenizer.apply_chat_template(c),  # type: ignore[arg-type]
+                                  add_special_tokens=False)
+            for c in convs
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_metrics(self) -> dict[str, Any]:

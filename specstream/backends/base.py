@@ -60,6 +60,30 @@ class TransferHandle(ABC):
         self.wait()
 
 
+class MultiHandle(TransferHandle):
+    """Completion of a group of copies: done when all are; the first failure is raised."""
+
+    def __init__(self, tag: object, handles: list[TransferHandle]) -> None:
+        self.tag, self.handles = tag, handles
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+    def wait(self) -> None:
+        error = None
+        for h in self.handles:
+            try:
+                h.wait()
+            except TransferError as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def host_wait(self) -> None:
+        for h in self.handles:
+            h.host_wait()
+
+
 class TransferBackend(ABC):
     """Copies between host tensors and device tensors, with priorities, stats and fault hooks.
 
@@ -94,6 +118,21 @@ class TransferBackend(ABC):
         self, dst: Tensor, src: Tensor, tag: object = None, *, after_compute: bool = True
     ) -> TransferHandle:
         """Copy device `src` into host `dst` (write-back, low priority: queued h2d goes first)."""
+
+    def h2d_many(
+        self, pairs: list[tuple[Tensor, Tensor]], tag: object = None, *, after_compute: bool = True
+    ) -> TransferHandle:
+        """Several host-to-device copies as one transfer with one completion handle (one
+        staging chunk is many blocks; per-copy overhead must not scale with the block count)."""
+        return MultiHandle(tag, [self.h2d(d, s, tag, after_compute=after_compute)
+                                 for d, s in pairs])
+
+    def d2h_many(
+        self, pairs: list[tuple[Tensor, Tensor]], tag: object = None, *, after_compute: bool = True
+    ) -> TransferHandle:
+        """Several device-to-host copies as one transfer (see ``h2d_many``)."""
+        return MultiHandle(tag, [self.d2h(d, s, tag, after_compute=after_compute)
+                                 for d, s in pairs])
 
     # -- memory ---------------------------------------------------------------------------------
     @abstractmethod

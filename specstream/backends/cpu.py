@@ -68,8 +68,7 @@ class CpuHandle(TransferHandle):
 
 @dataclass
 class _Job:
-    dst: Tensor
-    src: Tensor
+    pairs: list[tuple[Tensor, Tensor]]  # (dst, src) copies done back to back
     direction: str
     handle: CpuHandle
     fail: bool  # fault injection decided at submit time
@@ -90,19 +89,31 @@ class CpuBackend(TransferBackend):
     def h2d(
         self, dst: Tensor, src: Tensor, tag: object = None, *, after_compute: bool = True
     ) -> TransferHandle:
-        return self._submit(dst, src, H2D, tag)
+        return self._submit([(dst, src)], H2D, tag)
 
     def d2h(
         self, dst: Tensor, src: Tensor, tag: object = None, *, after_compute: bool = True
     ) -> TransferHandle:
-        return self._submit(dst, src, D2H, tag)
+        return self._submit([(dst, src)], D2H, tag)
 
-    def _submit(self, dst: Tensor, src: Tensor, direction: str, tag: object) -> CpuHandle:
+    def h2d_many(
+        self, pairs: list[tuple[Tensor, Tensor]], tag: object = None, *, after_compute: bool = True
+    ) -> TransferHandle:
+        return self._submit(pairs, H2D, tag)
+
+    def d2h_many(
+        self, pairs: list[tuple[Tensor, Tensor]], tag: object = None, *, after_compute: bool = True
+    ) -> TransferHandle:
+        return self._submit(pairs, D2H, tag)
+
+    def _submit(
+        self, pairs: list[tuple[Tensor, Tensor]], direction: str, tag: object
+    ) -> CpuHandle:
         # CPU compute runs synchronously in the caller, so `after_compute` always holds.
         if self._closed:
             raise RuntimeError("CpuBackend is closed")
         handle = CpuHandle(tag)
-        job = _Job(dst, src, direction, handle, fail=self._should_fail(tag))
+        job = _Job(pairs, direction, handle, fail=self._should_fail(tag))
         self._queue.put((_PRIORITY[direction], next(self._seq), job))
         return handle
 
@@ -117,14 +128,15 @@ class CpuBackend(TransferBackend):
                 self._queue.task_done()
 
     def _execute(self, job: _Job) -> None:
-        nbytes = job.src.numel() * job.src.element_size()
+        nbytes = sum(src.numel() * src.element_size() for _, src in job.pairs)
         start = time.perf_counter()
         try:
             if job.fail:
                 raise TransferError(
                     job.handle.tag, f"injected failure of transfer {job.handle.tag!r}"
                 )
-            job.dst.copy_(job.src)
+            for dst, src in job.pairs:
+                dst.copy_(src)
             if self.link_gbps is not None:
                 remaining = start + nbytes / (self.link_gbps * 1e9) - time.perf_counter()
                 if remaining > 0:

@@ -61,9 +61,10 @@ class KVStore:
         return k, v
 
     def writeback(self, pairs: list[tuple[int, int]], tag: object) -> list[TransferHandle]:
-        """Device-to-host copies of whole blocks (all layers), low priority."""
+        """Device-to-host copies of whole blocks (all layers), low priority, one transfer."""
         assert self.host is not None, "write-back without a host tier"
-        return [self.backend.d2h(self.host[h], self.device[d], tag) for d, h in pairs]
+        copies = [(self.host[h], self.device[d]) for d, h in pairs]
+        return [self.backend.d2h_many(copies, tag)]
 
     def restore(
         self, layer: int, host_blocks: tuple[int, ...], dst: torch.Tensor, tag: object
@@ -73,8 +74,6 @@ class KVStore:
         dst: [2, >= len(host_blocks), block_size, num_kv_heads, head_dim]
         """
         assert self.host is not None, "restore without a host tier"
-        handles = []
-        for j, hb in enumerate(host_blocks):
-            for kv in (0, 1):
-                handles.append(self.backend.h2d(dst[kv, j], self.host[hb, layer, kv], tag))
-        return handles
+        copies = [(dst[kv, j], self.host[hb, layer, kv])
+                  for j, hb in enumerate(host_blocks) for kv in (0, 1)]
+        return [self.backend.h2d_many(copies, tag)]

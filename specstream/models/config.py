@@ -9,7 +9,7 @@ frozen :class:`ModelConfig`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,15 @@ _FAMILIES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "internlm2": "internlm2",
+}
+
+# architectures[0] -> model_type, for configs that omit model_type.
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "InternLM2ForCausalLM": "internlm2",
 }
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -77,12 +86,27 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "intermediate_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
-                raise ModelConfigError(f"config field {name} must be > 0, got {getattr(self, name)}")
+                raise ModelConfigError(
+                    f"config field {name} must be > 0, got {getattr(self, name)}"
+                )
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+
+    @property
+    def context_length(self) -> int:
+        """Longest sequence the rope scaling is meant for (vLLM's derived max_model_len):
+        linear/dynamic stretch max_position_embeddings by factor, yarn the original length;
+        llama3 configs already state the scaled length."""
+        rope = self.rope
+        if rope.rope_type in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * rope.factor)
+        if rope.rope_type == "yarn":
+            orig = rope.original_max_position_embeddings or self.max_position_embeddings
+            return max(self.max_position_embeddings, int(orig * rope.factor))
+        return self.max_position_embeddings
 
     @property
     def group_size(self) -> int:
@@ -97,7 +121,7 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if model_type is None:
             archs = raw.get("architectures") or []
-            model_type = "internlm2" if any("InternLM2" in a for a in archs) else None
+            model_type = next((_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES), None)
         family = _FAMILIES.get(str(model_type))
         if family is None:
             raise ModelConfigError(
@@ -111,8 +135,9 @@ class ModelConfig:
             head_dim = int(raw.get("head_dim") or hidden // heads)
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            _check_no_sliding_window(raw, str(model_type))
             if family == "internlm2":
-                bias = bool(raw.get("bias", False))
+                bias = bool(raw.get("bias", True))  # InternLM2Config's default
                 qkv_bias, o_bias, mlp_bias = bias, bias, False
             elif family == "qwen2":
                 qkv_bias, o_bias, mlp_bias = True, False, False
@@ -145,6 +170,10 @@ class ModelConfig:
             )
         except KeyError as exc:
             raise ModelConfigError(f"config.json is missing the field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, ModelConfigError):
+                raise
+            raise ModelConfigError(f"config.json has a field of the wrong type: {exc}") from None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -155,11 +184,34 @@ class ModelConfig:
             raw = json.loads(cfg_path.read_text())
         except json.JSONDecodeError as exc:
             raise ModelConfigError(f"{cfg_path} is not valid JSON: {exc}") from None
-        return cls.from_dict(raw)
+        cfg = cls.from_dict(raw)
+        # generation_config.json often lists more end tokens (chat models' end-of-turn).
+        gen_path = Path(path) / "generation_config.json"
+        if gen_path.is_file():
+            try:
+                eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            except (json.JSONDecodeError, AttributeError):
+                eos = None
+            extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+            merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *(int(e) for e in extra)]))
+            if merged != cfg.eos_token_ids:
+                cfg = replace(cfg, eos_token_ids=merged)
+        return cfg
+
+
+def _check_no_sliding_window(raw: dict[str, Any], model_type: str) -> None:
+    """The decoder attends to the whole history; refuse configs that say otherwise."""
+    window = raw.get("sliding_window")
+    enabled = raw.get("use_sliding_window", model_type == "mistral")
+    max_pos = int(raw.get("max_position_embeddings", 4096))
+    if enabled and window is not None and int(window) < max_pos:
+        raise ModelConfigError(
+            f"sliding-window attention (sliding_window={window}) is not supported"
+        )
 
 
 def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
-    """Both dialects: transformers-5 ``rope_parameters`` or older ``rope_theta``+``rope_scaling``."""
+    """Both dialects: transformers-5 ``rope_parameters``, older ``rope_theta``+``rope_scaling``."""
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
         params = params["full_attention"]
@@ -168,6 +220,9 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type == "ntk":  # some InternLM2 remote-code configs spell dynamic NTK this way
         rope_type = "dynamic"
+    partial = scaling.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise ModelConfigError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
 
     def opt(key: str) -> Any:
         return scaling.get(key)

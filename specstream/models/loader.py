@@ -50,6 +50,11 @@ def _weight_files(folder: Path) -> list[Path]:
     found = sorted(folder.glob("*.safetensors"))
     if found:
         return found
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+        raise FileNotFoundError(
+            f"model folder {folder} has only PyTorch .bin/.pt weights; this engine reads "
+            "safetensors (convert with save_pretrained(..., safe_serialization=True))"
+        )
     raise FileNotFoundError(f"no *.safetensors weights in model folder {folder}")
 
 
@@ -91,7 +96,9 @@ def internlm2_to_decoder(
         k = grouped[:, group].reshape(cfg.num_kv_heads * d, *tensor.shape[1:])
         v = grouped[:, group + 1].reshape(cfg.num_kv_heads * d, *tensor.shape[1:])
         prefix, suffix = name.split(".attention.wqkv.")
-        return [(f"{prefix}.self_attn.{p}_proj.{suffix}", t) for p, t in (("q", q), ("k", k), ("v", v))]
+        return [
+            (f"{prefix}.self_attn.{p}_proj.{suffix}", t) for p, t in (("q", q), ("k", k), ("v", v))
+        ]
     for pattern, repl in _INTERNLM2_RENAMES:
         name = re.sub(pattern, repl, name)
     return [(name, tensor)]
@@ -101,7 +108,8 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
     """An uninitialised model (weights to be loaded or filled by the caller)."""
     with torch.device("meta"):
         model = CausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    # Cast on meta first: allocating fp32 and then converting would need 1.5x the memory.
+    model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval().requires_grad_(False)

@@ -20,7 +20,8 @@ def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
 def compute_inv_freq(
     rope: RopeConfig, dim: int, max_positions: int, seq_len: int | None = None
 ) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [dim // 2] (float32, computed as transformers does) and the cos/sin scaling factor."""
+    """Inverse frequencies [dim // 2] (float32, as transformers computes them) and the factor
+    that scales cos/sin (yarn's attention factor, else 1)."""
     kind = rope.rope_type
     if kind == "default":
         return _base_inv_freq(rope.theta, dim), 1.0
