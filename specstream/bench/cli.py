@@ -46,6 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device-kv-bytes", type=float, default=64 << 20)
     p.add_argument("-q", "--num-speculative-tokens", type=int, default=4)
     p.add_argument("--chunk-tokens", type=int, default=1024)
+    p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--resident-tail-tokens", type=int, default=256)
     p.add_argument("--offload-after-tokens", type=int, default=512)
     p.add_argument("--quick", action="store_true", help="a smaller run (about 2 minutes)")
@@ -62,6 +63,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         model=args.model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
         device_kv_bytes=int(args.device_kv_bytes), link_gbps=args.link_gbps,
         num_speculative_tokens=args.num_speculative_tokens, chunk_tokens=args.chunk_tokens,
+        block_size=args.block_size,
         resident_tail_tokens=args.resident_tail_tokens,
         offload_after_tokens=args.offload_after_tokens,
     )

@@ -63,9 +63,9 @@ class Executor:
         self.drafting = drafting
         self.tracer = tracer or Tracer(False)
 
-    def writeback(self, plan: StepPlan) -> dict[str, str]:
-        """Perform the plan's device-to-host copies and wait for them (errors per request)."""
-        handles = [(rid, self.store.writeback(list(pairs), rid)) for rid, pairs in plan.writebacks]
+    def writeback(self, moves: dict[str, list[tuple[int, int]]]) -> dict[str, str]:
+        """Copy tail blocks to the host tier and wait for them; returns errors per request."""
+        handles = [(rid, self.store.writeback(pairs, rid)) for rid, pairs in moves.items()]
         errors: dict[str, str] = {}
         for rid, hs in handles:
             for h in hs:
@@ -85,7 +85,7 @@ class Executor:
             worker = _DraftWorker(draft, self.tracer)
         elif draft is not None and self.drafting == "gaps":
             self.history.gap = GapFiller(draft, self.tracer)
-        result = StepResult(errors=self.writeback(plan))
+        result = StepResult()
         if plan.seqs:
             with self.tracer.span("verify", "verify", tokens=plan.num_tokens):
                 self._forward_and_verify(plan, result)

@@ -147,8 +147,8 @@ class LLMEngine:
     def _postprocess(
         self, plan: StepPlan, result: StepResult, draft_batch: list[ProposeRequest]
     ) -> list[RequestOutput]:
-        self.scheduler.complete_writebacks(plan)
         touched: list[Request] = []
+        moves: dict[str, list[tuple[int, int]]] = {}
         for work in plan.seqs:
             req = self.scheduler.requests[work.request_id]
             if req.finished:
@@ -160,17 +160,13 @@ class LLMEngine:
             new = result.new_tokens.get(work.request_id, [])
             if work.sample:
                 self._count_round(req, work, len(new))
-            self.scheduler.commit(work, req, len(new))
+            moves[req.request_id] = self.scheduler.commit(work, req, len(new))
             self._append(req, new)
             if work.sample and not req.finished and self.proposer is not None:
                 if req.group < 0 and self.overlapped:
                     self.scheduler.assign_group(req)
                 req.needs_draft = self._num_drafts(req) > 0
-        for rid, msg in result.errors.items():  # write-back failures of requests not in plan
-            req = self.scheduler.requests.get(rid)
-            if req is not None and not req.finished:
-                self._finish(req, "error", msg)
-                touched.append(req)
+        self._write_back(moves)
         if result.proposals is not None:
             self._apply_drafts(draft_batch, result.proposals)
         if self.proposer is not None and not self.overlapped:
@@ -181,6 +177,17 @@ class LLMEngine:
                     self._apply_drafts(batch, self.proposer.propose(batch))
             result.draft_s += time.perf_counter() - t0
         return [self._output(r) for r in touched]
+
+    def _write_back(self, moves: dict[str, list[tuple[int, int]]]) -> None:
+        """Move tail blocks past the resident budget to the host tier (finished requests'
+        blocks are simply freed)."""
+        live = {rid: pairs for rid, pairs in moves.items()
+                if pairs and not self.scheduler.requests[rid].finished}
+        errors = self.executor.writeback(live) if live else {}
+        for pairs in moves.values():
+            self.kv.complete_writeback(pairs)
+        for rid, msg in errors.items():
+            self._finish(self.scheduler.requests[rid], "error", msg)
 
     def _account(self, plan: StepPlan, result: StepResult) -> None:
         """Fold one step's link records and timings into the counters and round stats."""

@@ -50,8 +50,6 @@ class SeqWork:
 @dataclass(frozen=True)
 class StepPlan:
     seqs: tuple[SeqWork, ...]
-    # (request id, [(device block, host block)]) copies to perform before the step.
-    writebacks: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -97,7 +95,6 @@ class Scheduler:
         self._reserved: dict[str, _Reservation] = {}
         self._reserved_device = 0
         self._reserved_host = 0
-        self._pending_writebacks: list[tuple[str, tuple[tuple[int, int], ...]]] = []
         self.max_concurrency = 0
         self._rr = 0  # round-robin start when a step cannot take every running request
         # Overlapped modes verify one group per step while the other group drafts.
@@ -111,7 +108,9 @@ class Scheduler:
         """Blocks kept free for prefill chunks beyond the tails' steady size (offload modes)."""
         if not self.kv.policy.offload:
             return 0
-        return -(-self.config.max_prefill_tokens // self.config.block_size) + 1
+        want = -(-self.config.max_prefill_tokens // self.config.block_size) + 1
+        # two blocks guarantee progress; chunks grow into whatever else is free
+        return min(want, max(2, self.kv.device.num_blocks // 4))
 
     def reservation(self, req: Request) -> _Reservation:
         """Device blocks of the request's steady tail; host blocks of its whole history."""
@@ -254,17 +253,14 @@ class Scheduler:
                 params=req.params,
                 generator=req.generator,
             ))
-        plan = StepPlan(tuple(seqs), tuple(self._pending_writebacks))
-        return plan
+        return StepPlan(tuple(seqs))
 
-    def complete_writebacks(self, plan: StepPlan) -> None:
-        """The executor finished the plan's device-to-host copies: free their device blocks."""
-        for _, pairs in plan.writebacks:
-            self.kv.complete_writeback(list(pairs))
-        self._pending_writebacks = []
+    def commit(self, work: SeqWork, req: Request, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Record a step's KV for one request (drafts past the accepted ones roll back).
 
-    def commit(self, work: SeqWork, req: Request, num_new_tokens: int) -> None:
-        """Record a step's KV for one request (drafts past the accepted ones roll back)."""
+        Returns the (device block, host block) write-backs its tail now needs; the caller
+        copies them and then calls ``kv.complete_writeback``.
+        """
         if work.sample:
             # the inputs up to the accepted drafts now have KV; the newest token does not
             kept = work.start_pos + len(work.token_ids) - work.num_drafts + num_new_tokens - 1
@@ -272,9 +268,7 @@ class Scheduler:
             kept = work.start_pos + len(work.token_ids)
         req.num_computed_tokens = kept
         self.kv.commit(req.request_id, kept)
-        pairs = self.kv.plan_writeback(req.request_id)
-        if pairs:
-            self._pending_writebacks.append((req.request_id, tuple(pairs)))
+        return self.kv.plan_writeback(req.request_id)
 
     def finish(self, req: Request, reason: str, error: str | None = None) -> None:
         req.status = Status.FINISHED
@@ -285,11 +279,6 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        # blocks still waiting for a write-back are freed by complete_writebacks
-        pending = {d for r, pairs in self._pending_writebacks if r == rid for d, _ in pairs}
-        self._pending_writebacks = [(r, p) for r, p in self._pending_writebacks if r != rid]
-        if pending:
-            self.kv.complete_writeback([(d, -1) for d in pending])
         self.kv.free(rid)
         r = self._reserved.pop(rid, None)
         if r is not None:

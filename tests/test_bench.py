@@ -1,0 +1,42 @@
+"""specstream bench end to end on the tiny pair: every field, every mode equal, a trace."""
+
+from __future__ import annotations
+
+import json
+
+from specstream.cli import main
+
+FIELDS = ("output_tokens_per_s", "output_tokens_per_s_per_device", "devices", "mean_accepted_len",
+          "link_utilization", "round_time_over_floor", "device_kv_peak_bytes", "max_concurrency",
+          "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "outputs_match_reference")
+
+
+def test_bench_runs_every_mode_and_writes_json_and_trace(tiny_target, tiny_draft, tmp_path):
+    out, trace = tmp_path / "bench.json", tmp_path / "trace.json"
+    rc = main(["bench", "--model", str(tiny_target), "--draft-model", str(tiny_draft),
+               "--context-len", "400", "--num-requests", "4", "--output-len", "8",
+               "--device-kv-bytes", "1600000", "--chunk-tokens", "128", "--block-size", "16",
+               "--resident-tail-tokens", "128", "--offload-after-tokens", "128",
+               "--link-gbps", "2", "--json", str(out), "--trace", str(trace)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    modes = report["modes"]
+    assert set(modes) == {"resident", "offload", "offload-spec", "specstream", "parallel-spec"}
+    for name, m in modes.items():
+        for f in FIELDS:
+            assert f in m, (name, f)
+        assert m["outputs_match_reference"] is True, name
+        assert m["output_tokens_per_s"] > 0
+    assert modes["parallel-spec"]["devices"] == 2
+    assert modes["offload"]["link_utilization"] > 0
+    assert modes["resident"]["link_utilization"] == 0
+    # at one device budget the offloading modes hold more requests than resident does
+    assert modes["specstream"]["max_concurrency"] > modes["resident"]["max_concurrency"]
+    assert "specstream_over_offload-spec" in report["ratios"]
+    assert report["calibration"]["verify_time"]["samples"]
+    events = json.loads(trace.read_text())["traceEvents"]
+    lanes = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert {"link h2d", "verify", "draft"} <= lanes
+    spans = [e for e in events if e["ph"] == "X"]
+    assert any(e["name"].startswith("draft") for e in spans)
+    assert trace.with_suffix(".png").stat().st_size > 1000
