@@ -85,7 +85,7 @@ def test_offload_then_restore_is_bitwise_identical():
                 for h in store.restore(layer, (4, 1), dst, tag="r"):
                     h.wait()
                 for j, dev in enumerate((0, 2)):
-                    orig = data[dev, layer]
+                    orig = data[layer, :, dev]
                     assert torch.equal(dst[:, j].view(torch.uint8), orig.view(torch.uint8))
     finally:
         backend.close()

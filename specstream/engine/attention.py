@@ -32,14 +32,15 @@ class StepAttention:
                 blocks.append(s.device_blocks[rel // bs])
                 offsets.append(rel % bs)
             self.rows.append((row, row + n))
-            self.tails.append(
-                (torch.tensor(s.device_blocks, dtype=torch.long), s.start_pos + n - s.host_tokens)
-            )
+            b = s.device_blocks
+            consecutive = all(b[j + 1] == b[j] + 1 for j in range(len(b) - 1))
+            self.tails.append((torch.tensor(b, dtype=torch.long), s.start_pos + n - s.host_tokens,
+                               b[0] if consecutive and b else -1))
             row += n
         device = store.device.device
         self.slot_blocks = torch.tensor(blocks, dtype=torch.long, device=device)
         self.slot_offsets = torch.tensor(offsets, dtype=torch.long, device=device)
-        self.tails = [(b.to(device), n) for b, n in self.tails]
+        self.tails = [(b.to(device), n, first) for b, n, first in self.tails]
         self.failed: dict[str, str] = {}
 
     def attend(
@@ -63,8 +64,8 @@ class StepAttention:
             if seq.request_id in self.failed:
                 out[lo:hi] = 0
                 continue
-            blocks, tail_len = self.tails[i]
-            tk, tv = self.store.gather(layer, blocks, tail_len)
+            blocks, tail_len, first = self.tails[i]
+            tk, tv = self.store.gather(layer, blocks, tail_len, first)
             mask = causal_mask(hi - lo, tail_len, device=q.device)
             acc.add(*partial_attention(qi, tk, tv, self.scale, mask))
             out[lo:hi] = acc.result(q.dtype)

@@ -176,6 +176,9 @@ class Scheduler:
                     or self._reserved_host + r.host_blocks > self.kv.host.num_blocks):
                 return
             self.waiting.popleft()
+            if not self.kv.policy.offload:
+                # resident: hold the whole reservation now, as one run of consecutive blocks
+                self.kv.allocate(req.request_id, (r.device_blocks - 1) * self.config.block_size)
             self._reserved[req.request_id] = r
             self._reserved_device += r.device_blocks
             self._reserved_host += r.host_blocks

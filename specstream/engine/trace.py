@@ -71,8 +71,10 @@ class Tracer:
         marks = sorted(s.start for s in self.spans if s.lane == "round")
         if not marks:
             return
-        lo = marks[min(len(marks) - 1, 1)]  # skip the first round (warm-up)
-        hi = marks[min(len(marks) - 1, 1 + rounds)] if len(marks) > 1 + rounds else max(
+        # steady-state decode: the middle of the run, away from prefill and the drain
+        first = max(0, len(marks) // 2 - rounds // 2)
+        lo = marks[first]
+        hi = marks[first + rounds] if first + rounds < len(marks) else max(
             s.end for s in self.spans)
         colors = {"link h2d": "tab:blue", "link d2h": "tab:cyan", "verify": "tab:green",
                   "draft": "tab:orange", "wait": "tab:red"}
@@ -85,7 +87,7 @@ class Tracer:
             if lo <= m <= hi:
                 ax.axvline((m - lo) * 1e3, color="k", lw=0.6, ls=":")
         ax.set_yticks(range(len(LANES)), LANES)
-        ax.set_xlabel("ms (dotted lines: round starts)")
+        ax.set_xlabel("ms (dotted lines: decode round starts)")
         ax.set_title(title or "SpecStream rounds")
         ax.set_xlim(0, (hi - lo) * 1e3)
         fig.tight_layout()

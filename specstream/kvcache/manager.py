@@ -15,7 +15,7 @@ The manager plans movements; the transfer handler performs them:
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from dataclasses import dataclass, field
 
 
@@ -31,7 +31,7 @@ class BlockAllocator:
             raise ValueError(f"{tier} tier: num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.tier = tier
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: list[int] = list(range(num_blocks))  # sorted
         self.peak_used = 0
 
     @property
@@ -42,15 +42,37 @@ class BlockAllocator:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocks(f"{self.tier} tier: need {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """``n`` blocks, consecutive ids when possible (continuing ``after`` first): a request's
+        consecutive blocks of one layer are one contiguous view for attention."""
+        free = self._free
+        if n > len(free):
+            raise OutOfBlocks(f"{self.tier} tier: need {n} blocks, {len(free)} free")
+        if n == 0:
+            return []
+        start = self._run_start(n, after)
+        if start is None:
+            blocks, self._free = free[:n], free[n:]
+        else:
+            blocks = free[start : start + n]
+            del free[start : start + n]
         self.peak_used = max(self.peak_used, self.num_used)
         return blocks
 
+    def _run_start(self, n: int, after: int | None) -> int | None:
+        free = self._free
+        if after is not None:
+            i = bisect.bisect_left(free, after + 1)
+            if i + n <= len(free) and free[i] == after + 1 and free[i + n - 1] == after + n:
+                return i
+        for i in range(len(free) - n + 1):
+            if free[i + n - 1] - free[i] == n - 1:
+                return i
+        return None
+
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        for b in blocks:
+            bisect.insort(self._free, b)
 
 
 @dataclass
@@ -58,7 +80,6 @@ class SeqBlocks:
     host_blocks: list[int] = field(default_factory=list)
     device_blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0  # tokens whose KV is stored (host + device)
-    reserved_tokens: int = 0  # tokens the device blocks can hold beyond host_tokens
 
 
 @dataclass(frozen=True)
@@ -134,7 +155,8 @@ class KVManager:
         """Reserve device blocks so ``num_new`` more tokens can be written."""
         seq = self.seqs.setdefault(rid, SeqBlocks())
         need = self.device_blocks_needed(rid, num_new)
-        seq.device_blocks.extend(self.device.allocate(need))
+        last = seq.device_blocks[-1] if seq.device_blocks else None
+        seq.device_blocks.extend(self.device.allocate(need, after=last))
 
     def commit(self, rid: str, num_tokens: int) -> None:
         """Set the stored token count (after a step; smaller = roll back rejected drafts)."""
@@ -143,6 +165,8 @@ class KVManager:
         if num_tokens < host_tokens:
             raise ValueError(f"{rid}: cannot roll back into the host tier")
         seq.num_tokens = num_tokens
+        if not self.policy.offload:
+            return  # resident requests keep the blocks reserved at admission
         keep = -(-(num_tokens - host_tokens) // self.block_size)
         if len(seq.device_blocks) > keep:
             self.device.free(seq.device_blocks[keep:])

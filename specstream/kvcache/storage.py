@@ -1,8 +1,10 @@
-"""KV tensors of both tiers, block-major so a block of all layers is one contiguous run.
+"""KV tensors of both tiers.
 
-Layout of both pools: ``[num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]``.
-A write-back moves one block for all layers in one copy; a restore moves one block of one layer
-(K and V separately, so the destination can be a flat token range).
+Device pool, layer-major: ``[num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]``,
+so a request's consecutive blocks of one layer are one contiguous view (attention reads them
+without a copy). Host pool, block-major: ``[num_blocks, num_layers, 2, block_size, kv_heads,
+head_dim]``, so a write-back moves one block of all layers as one contiguous destination and a
+restore reads one block of one layer as one contiguous source.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ class KVStore:
         backend: TransferBackend,
     ) -> None:
         self.cfg, self.dtype, self.block_size, self.backend = cfg, dtype, block_size, backend
-        shape = (cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.device = backend.alloc_device((num_device_blocks, *shape), dtype)
+        tok = (block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.device = backend.alloc_device((cfg.num_layers, 2, num_device_blocks, *tok), dtype)
         self.host = (
-            backend.alloc_host((num_host_blocks, *shape), dtype) if num_host_blocks else None
+            backend.alloc_host((num_host_blocks, cfg.num_layers, 2, *tok), dtype)
+            if num_host_blocks else None
         )
 
     @property
@@ -48,22 +51,27 @@ class KVStore:
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> None:
-        self.device[blocks, layer, 0, offsets] = k.to(self.dtype)
-        self.device[blocks, layer, 1, offsets] = v.to(self.dtype)
+        self.device[layer, 0, blocks, offsets] = k.to(self.dtype)
+        self.device[layer, 1, blocks, offsets] = v.to(self.dtype)
 
     def gather(
-        self, layer: int, blocks: torch.Tensor, num_tokens: int
+        self, layer: int, blocks: torch.Tensor, num_tokens: int, first: int = -1
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[num_tokens, num_kv_heads, head_dim]`` of a request's tail blocks."""
-        x = self.device[blocks, layer]  # [nb, 2, bs, kv, D]
-        k = x[:, 0].reshape(-1, self.cfg.num_kv_heads, self.cfg.head_dim)[:num_tokens]
-        v = x[:, 1].reshape(-1, self.cfg.num_kv_heads, self.cfg.head_dim)[:num_tokens]
-        return k, v
+        """K and V ``[num_tokens, num_kv_heads, head_dim]`` of a request's tail blocks.
+
+        ``first >= 0`` says the blocks are consecutive from ``first``: a view, no copy.
+        """
+        if first >= 0:
+            x = self.device[layer, :, first : first + blocks.numel()]  # [2, nb, bs, kv, D]
+        else:
+            x = self.device[layer].index_select(1, blocks)
+        flat = x.reshape(2, -1, self.cfg.num_kv_heads, self.cfg.head_dim)
+        return flat[0, :num_tokens], flat[1, :num_tokens]
 
     def writeback(self, pairs: list[tuple[int, int]], tag: object) -> list[TransferHandle]:
         """Device-to-host copies of whole blocks (all layers), low priority, one transfer."""
         assert self.host is not None, "write-back without a host tier"
-        copies = [(self.host[h], self.device[d]) for d, h in pairs]
+        copies = [(self.host[h], self.device[:, :, d]) for d, h in pairs]
         return [self.backend.d2h_many(copies, tag)]
 
     def restore(
