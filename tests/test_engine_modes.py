@@ -101,3 +101,15 @@ def test_overlapped_modes_two_groups(tiny_target, tiny_draft, reference, mode):
     assert tokens == reference + ref_tail
     assert m["rounds"] > 0 and m["link_utilization"] > 0
     assert m["round_time_over_floor"] >= 0.99  # a round can never beat its floor
+
+
+def test_restore_cap_runs_one_request_per_step(tiny_target, tiny_draft):
+    """A budget whose restore share fits one history per step: the other request waits a step
+    with its drafts still pending, and both still decode exactly."""
+    prompts = _prompts((600, 580), seed=5)
+    ref, _ = _run(tiny_target, prompts, mode="resident", device_kv_bytes=16 << 20)
+    tokens, _ = _run(tiny_target, prompts, mode="offload-spec", device_kv_bytes=1_000_000,
+                     draft_model=tiny_draft, num_speculative_tokens=3, block_size=16,
+                     chunk_tokens=64, resident_tail_tokens=32, offload_after_tokens=64,
+                     max_prefill_tokens=32)
+    assert tokens == ref

@@ -1,11 +1,33 @@
-"""CUDA transfer backend: pinned host memory, prioritised copy streams, CUDA events.
+"""CUDA transfer backend: pinned host memory, prioritised streams, CUDA events.
 
-- h2d restores run on a high-priority stream, d2h write-backs on a low-priority one, both with
-  `non_blocking=True` from/to pinned host memory so they run on the copy engines while kernels
-  run on the compute stream.
-- A handle's `wait()` makes the *current* stream wait on the copy's event (no host sync);
-  `host_wait()` blocks the host.
-- Busy time comes from timing events recorded around each copy. To report perf_counter
+Streams (lower number = higher priority, clamped to the device's range):
+- `h2d_stream` (highest): restores, `non_blocking=True` from pinned host memory, so they run on
+  a copy engine while kernels run;
+- `d2h_stream` (lowest): write-backs to pinned host memory;
+- the compute stream is whatever stream is current when the engine runs (verification);
+  `verify_stream()` offers a high-priority one, and `draft_stream()` a low-priority one for
+  drafting in the link's gaps (draft kernels yield SMs to verification kernels).
+
+Ordering, with no host synchronisation inside a round:
+- `after_compute=True` makes the copy stream wait (`wait_stream`, an event, not a host sync)
+  for everything already queued on the current stream. A staging buffer refilled right after
+  the attention that reads it was *queued* (as `engine.history.ChunkStream` does: the refill
+  is issued when the consumer resumes the generator, after queueing `partial_attention` on the
+  yielded views) is therefore overwritten only after that attention ran. The same holds for
+  `LayerRestore`'s two layer buffers and for write-backs reading freshly written KV.
+- A handle's `wait()` makes the *current* stream wait on the copy's end event; `host_wait()`
+  blocks the host. Write-back then restore of the same host block is ordered transitively: the
+  executor `wait()`s on write-backs (compute stream waits on d2h), and a later restore with
+  `after_compute=True` waits on the compute stream. A copy issued with `after_compute=False`
+  is ordered after nothing, so it must not target memory that queued work still reads.
+- Device tensors used on a side stream get `record_stream`, so the caching allocator does not
+  hand their memory out again before the copy ran; the handle also keeps both tensors alive.
+- Pinned host memory comes from torch's caching host allocator, which rounds each allocation
+  up to a power of two: size host KV pools accordingly (e.g. host_kv_bytes = 16 GiB).
+- `h2d_many`/`d2h_many` (a staging chunk: K and V of many blocks) are one transfer: one stream
+  wait, all copies back to back, one pair of timing events and one handle, so the per-transfer
+  overhead does not scale with the number of blocks.
+- Busy time comes from timing events recorded around each transfer. To report perf_counter
   timestamps, an anchor event is recorded at start-up right after a device sync and paired
   with `time.perf_counter()`; copy times are anchor time + event elapsed time. The anchor is
   off by the sync latency (tens of microseconds), which is fine for traces and link utilisation.
@@ -17,6 +39,8 @@ Nothing here touches CUDA at import time; constructing the backend without CUDA 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -73,9 +97,11 @@ class CudaBackend(TransferBackend):
         self._device = (
             dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
         )
-        # Lower number = higher priority; out-of-range values are clamped by CUDA.
-        self.h2d_stream = torch.cuda.Stream(self._device, priority=-1)
-        self.d2h_stream = torch.cuda.Stream(self._device, priority=0)
+        low, high = torch.cuda.Stream.priority_range()  # e.g. (0, -5): lower = higher priority
+        self.h2d_stream = torch.cuda.Stream(self._device, priority=high)
+        self.d2h_stream = torch.cuda.Stream(self._device, priority=low)
+        self._verify_stream = torch.cuda.Stream(self._device, priority=high)
+        self._draft_stream = torch.cuda.Stream(self._device, priority=low)
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event, str, int, object]] = []
         self._closed = False
         torch.cuda.synchronize(self._device)
@@ -84,25 +110,65 @@ class CudaBackend(TransferBackend):
         self._anchor.synchronize()
         self._anchor_t = time.perf_counter()
 
+    # -- compute streams ------------------------------------------------------------------------
+    @contextmanager
+    def verify_stream(self) -> Iterator[torch.cuda.Stream]:
+        """Run the enclosed work on the high-priority verification stream (see draft_stream)."""
+        with self._side_stream(self._verify_stream) as stream:
+            yield stream
+
+    @contextmanager
+    def draft_stream(self) -> Iterator[torch.cuda.Stream]:
+        """Run the enclosed work (drafting) on the low-priority draft stream.
+
+        On entry the draft stream waits for the work queued so far on the caller's stream (its
+        inputs); on exit the caller's stream is *not* made to wait: call `join(stream)` where the
+        drafts are consumed. Tensors allocated inside and used on another stream afterwards need
+        `record_stream` (or must outlive that use), as with any side stream.
+        """
+        with self._side_stream(self._draft_stream) as stream:
+            yield stream
+
+    @contextmanager
+    def _side_stream(self, stream: torch.cuda.Stream) -> Iterator[torch.cuda.Stream]:
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(stream):
+            yield stream
+
+    def join(self, stream: torch.cuda.Stream) -> None:
+        """Make the current stream wait for all work queued on `stream` (no host sync)."""
+        torch.cuda.current_stream(self._device).wait_stream(stream)
+
+    # -- copies ---------------------------------------------------------------------------------
     def h2d(
         self, dst: Tensor, src: Tensor, tag: object = None, *, after_compute: bool = True
     ) -> TransferHandle:
-        return self._copy(self.h2d_stream, dst, src, H2D, tag, after_compute)
+        return self._copy(self.h2d_stream, [(dst, src)], H2D, tag, after_compute)
 
     def d2h(
         self, dst: Tensor, src: Tensor, tag: object = None, *, after_compute: bool = True
     ) -> TransferHandle:
-        return self._copy(self.d2h_stream, dst, src, D2H, tag, after_compute)
+        return self._copy(self.d2h_stream, [(dst, src)], D2H, tag, after_compute)
+
+    def h2d_many(
+        self, pairs: list[tuple[Tensor, Tensor]], tag: object = None, *, after_compute: bool = True
+    ) -> TransferHandle:
+        return self._copy(self.h2d_stream, pairs, H2D, tag, after_compute)
+
+    def d2h_many(
+        self, pairs: list[tuple[Tensor, Tensor]], tag: object = None, *, after_compute: bool = True
+    ) -> TransferHandle:
+        return self._copy(self.d2h_stream, pairs, D2H, tag, after_compute)
 
     def _copy(
         self,
         stream: torch.cuda.Stream,
-        dst: Tensor,
-        src: Tensor,
+        pairs: list[tuple[Tensor, Tensor]],  # (dst, src), copied back to back
         direction: str,
         tag: object,
         after_compute: bool,
     ) -> CudaHandle:
+        """One transfer: one stream wait, one pair of timing events, one handle for all pairs."""
         if self._closed:
             raise RuntimeError("CudaBackend is closed")
         if self._should_fail(tag):
@@ -114,15 +180,19 @@ class CudaBackend(TransferBackend):
         end = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             start.record(stream)
-            dst.copy_(src, non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             end.record(stream)
-        for t in (dst, src):
-            if t.is_cuda:  # the caching allocator must not reuse it before the copy ran
-                t.record_stream(stream)
-        nbytes = src.numel() * src.element_size()
+        device_storages = {
+            t.untyped_storage().data_ptr(): t for pair in pairs for t in pair if t.is_cuda
+        }
+        for t in device_storages.values():  # the allocator must not reuse them before the copy
+            t.record_stream(stream)
+        nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
         with self._lock:
             self._pending.append((start, end, direction, nbytes, tag))
-        return CudaHandle(tag, self._device, end, keepalive=(dst, src))
+        keepalive = tuple(t for pair in pairs for t in pair)
+        return CudaHandle(tag, self._device, end, keepalive=keepalive)
 
     def _finished_records(self) -> list[TransferRecord]:
         with self._lock:
@@ -138,8 +208,10 @@ class CudaBackend(TransferBackend):
             return list(self._records)
 
     def reset_stats(self) -> None:
+        """Forget finished copies; copies still in flight are reported once they finish (the
+        engine resets after every step, and a low-priority write-back may outlive its step)."""
+        self._finished_records()
         with self._lock:
-            self._pending.clear()
             self._records.clear()
 
     def alloc_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -151,6 +223,10 @@ class CudaBackend(TransferBackend):
     def synchronize(self) -> None:
         self.h2d_stream.synchronize()
         self.d2h_stream.synchronize()
+
+    def synchronize_all(self) -> None:
+        """Block until copies, verification and drafting queued so far have finished."""
+        torch.cuda.synchronize(self._device)
 
     def close(self) -> None:
         if self._closed:

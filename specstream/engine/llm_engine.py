@@ -273,13 +273,13 @@ class LLMEngine:
         return max(0, min(q, room))
 
     def _draft_batch(self, exclude: set[str]) -> list[ProposeRequest]:
-        """Requests that need drafts now (sequential: every decoding one)."""
+        """Requests whose last verification left them without drafts."""
         batch = []
         for req in self.scheduler.running:
             if req.in_prefill or req.finished or req.request_id in exclude:
                 continue
-            if self.overlapped and not req.needs_draft:
-                continue
+            if not req.needs_draft:
+                continue  # its drafts from an earlier step are still unverified
             q = self._num_drafts(req)
             if q:
                 batch.append(ProposeRequest(req.request_id, req.all_token_ids, q, req.params))

@@ -1,0 +1,203 @@
+"""CUDA transfer backend: ordering without host syncs, pinned memory, streams, stats.
+
+The CPU-side tests check the contract the CUDA backend relies on (every refill of a staging
+buffer is issued with `after_compute=True` after the attention reading it was queued); the
+tests marked `cuda` run only where a GPU is present.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specstream.backends import CpuBackend, CudaBackend, TransferError, make_backend
+from specstream.backends.base import TransferHandle
+from specstream.engine.history import ChunkStream, LayerRestore
+from specstream.kvcache.storage import KVStore
+from specstream.models.config import ModelConfig
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+class RecordingBackend(CpuBackend):
+    """CPU backend that logs each h2d copy as ("copy", destination address, after_compute)."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.log: list[tuple[str, int, bool]] = []
+
+    def h2d(
+        self, dst: torch.Tensor, src: torch.Tensor, tag: object = None, *,
+        after_compute: bool = True,
+    ) -> TransferHandle:  # fmt: skip
+        self.log.append(("copy", dst.data_ptr(), after_compute))
+        return super().h2d(dst, src, tag, after_compute=after_compute)
+
+    def h2d_many(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], tag: object = None, *,
+        after_compute: bool = True,
+    ) -> TransferHandle:  # fmt: skip
+        self.log.extend(("copy", dst.data_ptr(), after_compute) for dst, _ in pairs)
+        return super().h2d_many(pairs, tag, after_compute=after_compute)
+
+
+def tiny_store(backend: CpuBackend, num_layers: int = 3) -> KVStore:
+    cfg = ModelConfig(family="qwen3", vocab_size=16, hidden_size=16, num_layers=num_layers,
+                      num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+                      max_position_embeddings=256)
+    store = KVStore(cfg, torch.float32, 4, num_device_blocks=2, num_host_blocks=12,
+                    backend=backend)
+    assert store.host is not None
+    store.host.copy_(torch.randn(store.host.shape))
+    return store
+
+
+def plan(*chunks_per_seq: tuple[tuple[int, ...], ...]) -> SimpleNamespace:
+    seqs = [SimpleNamespace(request_id=str(i), restore_chunks=c,
+                            host_tokens=4 * sum(len(x) for x in c))
+            for i, c in enumerate(chunks_per_seq)]
+    return SimpleNamespace(seqs=seqs)
+
+
+@pytest.fixture
+def recording() -> Iterator[RecordingBackend]:
+    backend = RecordingBackend()
+    yield backend
+    backend.close()
+
+
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+def test_chunk_stream_refills_a_buffer_only_after_its_attention(
+    recording: RecordingBackend, buffers: int
+) -> None:
+    store = tiny_store(recording)
+    source = ChunkStream(store, chunk_tokens=8, staging_buffers=buffers)
+    starts = {buf.data_ptr(): i for i, buf in enumerate(source.ring)}
+    slot_of = lambda ptr: max((p, i) for p, i in starts.items() if p <= ptr)[1]  # noqa: E731
+    source.begin(plan(((0, 1), (2, 3), (4,)), ((5, 6),)))  # type: ignore[arg-type]
+    for layer in range(store.cfg.num_layers):
+        for index in range(2):
+            for k, _ in source.pieces(layer, index):
+                recording.log.append(("attend", k.data_ptr(), True))  # attention queued
+    source.end()
+    assert all(after for kind, _, after in recording.log if kind == "copy")
+    state = ["free"] * buffers  # per ring slot: free -> filling -> read -> filling ...
+    previous: tuple[str, int] = ("", -1)
+    for kind, ptr, _ in recording.log:
+        s = slot_of(ptr)
+        if kind == "copy":  # the copies of one chunk come in one run; a refill needs a read
+            assert state[s] != "filling" or previous == ("copy", s), "refilled before read"
+            state[s] = "filling"
+        else:
+            assert state[s] == "filling"
+            state[s] = "read"
+        previous = (kind, s)
+    num_chunks = 4 * store.cfg.num_layers
+    assert sum(kind == "attend" for kind, _, _ in recording.log) == num_chunks
+
+
+def test_layer_restore_orders_every_copy_after_compute(recording: RecordingBackend) -> None:
+    store = tiny_store(recording)
+    source = LayerRestore(store, chunk_tokens=8, staging_buffers=2)
+    source.begin(plan(((0, 1),), ((2,),)))  # type: ignore[arg-type]
+    for layer in range(store.cfg.num_layers):
+        for index in range(2):
+            for k, _ in source.pieces(layer, index):
+                assert k.shape[0] == 4 * (2 - index)
+    source.end()
+    assert recording.log and all(after for _, _, after in recording.log)
+
+
+def test_cuda_backend_needs_cuda() -> None:
+    if CUDA:
+        pytest.skip("CUDA is available")
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        make_backend("cuda")
+
+
+@pytest.fixture
+def cuda_backend() -> Iterator[CudaBackend]:
+    backend = make_backend("cuda")
+    assert isinstance(backend, CudaBackend)
+    yield backend
+    backend.close()
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pinned_round_trip_is_bitwise(cuda_backend: CudaBackend, dtype: torch.dtype) -> None:
+    backend = cuda_backend
+    host = backend.alloc_host((256, 64), dtype)
+    assert host.is_pinned()
+    host.copy_(torch.randn(256, 64).to(dtype))
+    dev = backend.alloc_device((256, 64), dtype)
+    backend.h2d(dev, host, "r").wait()  # orders the current stream, no host sync
+    back = backend.alloc_host((256, 64), dtype)
+    backend.d2h(back, dev * 1, "w").host_wait()
+    assert torch.equal(back, host)
+    stats = backend.stats()
+    assert stats["bytes_h2d"] == stats["bytes_d2h"] == host.numel() * host.element_size()
+    assert stats["busy_s"] > 0 and stats["num_copies"] == 2
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_refill_waits_for_queued_compute(cuda_backend: CudaBackend) -> None:
+    """A refill issued right after a (slow) read was queued must not overwrite what it reads."""
+    backend = cuda_backend
+    staging = backend.alloc_device((1 << 20,), torch.float32)
+    staging.fill_(1.0)
+    fresh = backend.alloc_host((1 << 20,), torch.float32)
+    fresh.fill_(2.0)
+    torch.cuda._sleep(50_000_000)  # ~tens of ms of queued compute before the read
+    total = staging.sum()  # the "attention" reading the buffer
+    handle = backend.h2d(staging, fresh, "refill", after_compute=True)
+    handle.wait()
+    after = staging.sum()
+    assert total.item() == float(1 << 20) and after.item() == 2.0 * (1 << 20)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_streams_priorities_and_failures(cuda_backend: CudaBackend) -> None:
+    backend = cuda_backend
+    main = torch.cuda.current_stream()
+    with backend.draft_stream() as draft:
+        assert torch.cuda.current_stream() == draft != main
+        x = torch.ones(16, device="cuda") * 3
+    backend.join(draft)
+    assert torch.cuda.current_stream() == main and x.sum().item() == 48.0
+    with backend.verify_stream() as verify:
+        assert torch.cuda.current_stream() == verify
+    assert verify.priority < draft.priority and backend.h2d_stream.priority < draft.priority
+    backend.inject_failure(lambda tag: tag == "bad")
+    handle = backend.h2d(torch.empty(4, device="cuda"), torch.zeros(4).pin_memory(), "bad")
+    assert handle.done()
+    with pytest.raises(TransferError):
+        handle.wait()
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_many_is_one_transfer(cuda_backend: CudaBackend) -> None:
+    """A staging chunk (K and V of several blocks) moves as one transfer with one record."""
+    backend = cuda_backend
+    host = backend.alloc_host((6, 2, 16, 8), torch.bfloat16)  # [blocks, K/V, tokens, dims]
+    host.copy_(torch.randn(host.shape).to(torch.bfloat16))
+    ring = backend.alloc_device((2, 6, 16, 8), torch.bfloat16)  # [K/V, blocks, tokens, dims]
+    pairs = [(ring[kv, j], host[j, kv]) for j in range(6) for kv in (0, 1)]
+    handle = backend.h2d_many(pairs, "chunk")
+    handle.host_wait()
+    assert torch.equal(ring.cpu(), host.permute(1, 0, 2, 3))
+    records = backend.busy_intervals()
+    assert len(records) == 1 and records[0].nbytes == host.numel() * host.element_size()
+    torch.cuda._sleep(50_000_000)  # queued compute that the next transfer must wait for
+    pending = backend.h2d_many(pairs, "in flight", after_compute=True)
+    backend.reset_stats()  # an in-flight transfer is still reported once it finished
+    pending.host_wait()
+    assert [r.tag for r in backend.busy_intervals()] == ["in flight"]
