@@ -6,8 +6,9 @@ import json
 
 from specstream.cli import main
 
-FIELDS = ("output_tokens_per_s", "output_tokens_per_s_per_device", "devices", "mean_accepted_len",
-          "link_utilization", "round_time_over_floor", "device_kv_peak_bytes", "max_concurrency",
+FIELDS = ("output_tokens_per_s", "decode_tokens_per_s", "output_tokens_per_s_per_device",
+          "devices", "mean_accepted_len", "link_utilization", "round_time_over_floor",
+          "device_kv_peak_bytes", "max_concurrency",
           "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "outputs_match_reference")
 
 

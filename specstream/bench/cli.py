@@ -19,7 +19,8 @@ from specstream.bench.workload import Workload
 DEFAULT_LINK_GBPS = 1.0
 
 COLUMNS = [
-    ("mode", "{}"), ("output_tokens_per_s", "{:.1f}"), ("output_tokens_per_s_per_device", "{:.1f}"),
+    ("mode", "{}"), ("output_tokens_per_s", "{:.1f}"),
+    ("output_tokens_per_s_per_device", "{:.1f}"), ("decode_tokens_per_s", "{:.1f}"),
     ("devices", "{}"), ("mean_accepted_len", "{:.2f}"), ("link_utilization", "{:.2f}"),
     ("round_time_over_floor", "{:.2f}"), ("device_kv_peak_bytes", "{:.3g}"),
     ("max_concurrency", "{}"), ("ttft_ms_p50", "{:.0f}"), ("ttft_ms_p99", "{:.0f}"),
@@ -40,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--modes", default=",".join(ALL_MODES), help="comma-separated modes")
     p.add_argument("--context-len", type=int, default=4096, help="prompt tokens per request")
     p.add_argument("--num-requests", type=int, default=8)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS,
                    help=f"emulated link bandwidth, GB/s (default {DEFAULT_LINK_GBPS})")
     p.add_argument("--device-kv-bytes", type=float, default=64 << 20)
@@ -91,6 +92,9 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
             out[f"specstream_over_{base}"] = ss["output_tokens_per_s"] / b["output_tokens_per_s"]
             out[f"specstream_over_{base}_per_device"] = (
                 ss["output_tokens_per_s_per_device"] / b["output_tokens_per_s_per_device"])
+            if b["decode_tokens_per_s"]:
+                out[f"specstream_over_{base}_decode"] = (
+                    ss["decode_tokens_per_s"] / b["decode_tokens_per_s"])
     if "resident" in results:
         out["concurrency_specstream_over_resident"] = (
             ss["max_concurrency"] / max(1, results["resident"]["max_concurrency"]))
@@ -99,7 +103,7 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> int:
     if args.quick:
-        args.context_len, args.num_requests, args.output_len = 2048, 6, 32
+        args.context_len, args.num_requests, args.output_len = 2048, 6, 48
     s = settings_from(args)
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     if args.sweep:

@@ -95,6 +95,8 @@ def run_mode(
         "wall_s": wall,
         "output_tokens_per_s": n_out / wall,
         "output_tokens_per_s_per_device": n_out / wall / devices,
+        # decode only: tokens after each request's first, over the time of decode rounds
+        "decode_tokens_per_s": (n_out - len(outs)) / decode_t if decode_t else 0.0,
         "devices": devices,
         "mean_accepted_len": (accepted + nrounds) / nrounds if nrounds else 1.0,
         "link_utilization": decode_link / decode_t if decode_t else 0.0,
