@@ -61,14 +61,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return kw
 
 
-def build_llm(args: argparse.Namespace):  # -> LLM
+def build_llm(args: argparse.Namespace, trace: bool = False):  # -> LLM
     from specstream.llm import LLM, default_model_dir
 
     kw = engine_kwargs(args)
     draft = args.draft_model
     if draft is None and kw.get("proposer") == "draft":
         draft = str(default_model_dir("draft"))
-    return LLM(model=args.model, draft_model=draft, **kw)
+    return LLM(model=args.model, draft_model=draft, trace=trace, **kw)
 
 
 @command
@@ -85,6 +85,8 @@ def _generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print a JSON record instead of text")
+    p.add_argument("--trace", default=None,
+                   help="write a Chrome trace JSON of every round (and a .png timeline)")
     add_engine_args(p)
     p.set_defaults(func=_run_generate)
 
@@ -99,10 +101,15 @@ def _run_generate(args: argparse.Namespace) -> int:
         prompt = args.prompt
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
-    llm = build_llm(args)
+    llm = build_llm(args, trace=args.trace is not None)
     try:
         out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         metrics = llm.get_metrics()
+        if args.trace:
+            from pathlib import Path
+
+            llm.engine.tracer.to_chrome(args.trace)
+            llm.engine.tracer.to_png(Path(args.trace).with_suffix(".png"))
     finally:
         llm.close()
     if args.json:
