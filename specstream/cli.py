@@ -126,10 +126,12 @@ def _run_generate(args: argparse.Namespace) -> int:
 def _optional_commands(sub: argparse._SubParsersAction) -> None:
     """Subcommands that live in their own packages."""
     from specstream.bench.cli import add_parser as add_bench
+    from specstream.server.cli import add_parser as add_serve
     from specstream.sim.cli import add_parser as add_simulate
 
     add_bench(sub)
     add_simulate(sub)
+    add_serve(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -127,7 +127,7 @@ class LLMEngine:
         return rid
 
     def abort_request(self, request_id: str) -> None:
-        req = self.scheduler.requests.get(request_id)
+        req = self.scheduler.requests.pop(request_id, None)
         if req is not None and not req.finished:
             self._finish(req, "abort")
 
@@ -176,7 +176,11 @@ class LLMEngine:
                 with self.tracer.span("draft", "draft (sequential)"):
                     self._apply_drafts(batch, self.proposer.propose(batch))
             result.draft_s += time.perf_counter() - t0
-        return [self._output(r) for r in touched]
+        outputs = [self._output(r) for r in touched]
+        for r in touched:  # finished requests are reported once, then forgotten
+            if r.finished:
+                self.scheduler.requests.pop(r.request_id, None)
+        return outputs
 
     def _write_back(self, moves: dict[str, list[tuple[int, int]]]) -> None:
         """Move tail blocks past the resident budget to the host tier (finished requests'
@@ -296,8 +300,8 @@ class LLMEngine:
 
     def _apply_drafts(self, batch: list[ProposeRequest], proposals: list[Proposal]) -> None:
         for pr, prop in zip(batch, proposals):
-            req = self.scheduler.requests[pr.request_id]
-            if req.finished:
+            req = self.scheduler.requests.get(pr.request_id)
+            if req is None or req.finished:
                 continue
             req.draft_token_ids = list(prop.token_ids)
             req.draft_probs = prop.probs

@@ -1,0 +1,216 @@
+"""The FastAPI app: OpenAI routes, /health, /metrics, API-key and body-size guards.
+
+``build_app(llm, ServerConfig(...))`` returns an ASGI app whose lifespan starts and stops the
+engine-loop thread; ``specstream serve`` runs it with uvicorn.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from specstream.llm import LLM
+from specstream.server import serving
+from specstream.server.async_engine import AsyncEngine
+from specstream.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the HTTP side behaves; the engine has its own EngineConfig."""
+
+    # The id clients pass as ``model`` (and /v1/models lists).
+    model_name: str
+    # With a key, /v1/* needs ``Authorization: Bearer <key>`` (else 401).
+    api_key: str | None = None
+    # Larger request bodies get 413.
+    max_body_bytes: int = 1 << 20
+    # Requests that may wait for admission at once; more get 429.
+    max_queue: int = 256
+    # Seconds a request may wait for admission before a 503.
+    queue_timeout_s: float = 60.0
+    # Upper bound on ``n`` (choices per prompt).
+    max_n: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1 or self.max_queue < 1 or self.queue_timeout_s <= 0:
+            raise ValueError("max_body_bytes, max_queue and queue_timeout_s must be positive")
+
+
+def _json_error(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+class GuardMiddleware:
+    """Bearer-token check on /v1/* and a Content-Length limit, before any body is read."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            err = None
+            if self.expected is not None and scope["path"].startswith("/v1"):
+                if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                    err = APIError(401, "Invalid or missing API key: send 'Authorization: "
+                                        "Bearer <key>'.", code="invalid_api_key")
+            length = headers.get(b"content-length", b"0")
+            if err is None and length.isdigit() and int(length) > self.max_body_bytes:
+                err = _too_large(self.max_body_bytes)
+            if err is not None:
+                return await _json_error(err)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than the server's limit of {limit} bytes.",
+                    code="request_too_large")
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    """The body as JSON; bodies without Content-Length are counted as they arrive."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(limit)
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"The request body is not valid JSON: {exc}") from None
+
+
+def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
+    """An OpenAI-compatible app over ``llm``; the engine thread lives as long as the app runs."""
+    engine = AsyncEngine(llm, config.max_queue, config.queue_timeout_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="SpecStream", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    app.state.config = config
+    app.add_middleware(GuardMiddleware, api_key=config.api_key,
+                       max_body_bytes=config.max_body_bytes)
+    tok = llm.engine.tokenizer
+    max_len = llm.engine.max_model_len
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _json_error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _json_error(APIError(exc.status_code, str(exc.detail)))
+
+    def check_common(req: Any) -> None:
+        if req.model != config.model_name:
+            raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
+                                f"`{config.model_name}`.", param="model", code="model_not_found")
+        if not 1 <= req.n <= config.max_n:
+            raise APIError(400, f"n must be in [1, {config.max_n}], got {req.n}", param="n")
+
+    async def respond(request: Request, req: Any, kind: str, prompts: list[list[int]],
+                      param: str) -> Any:
+        params = [serving.sampling_params(req, len(p), max_len, param) for p in prompts]
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        stops = tuple(params[0].stop or ())  # normalised to a tuple by SamplingParams
+        job = serving.new_job(kind, req.model, [len(p) for p in prompts], stops, usage,
+                              request.headers.get("x-request-id"))
+        await serving.submit(engine, job, prompts, params)
+        if req.stream:
+            return StreamingResponse(serving.stream(engine, job), media_type="text/event-stream")
+        return JSONResponse(await serving.collect(engine, job, request))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        req = parse_request(CompletionRequest, await _read_json(request, config.max_body_bytes))
+        assert isinstance(req, CompletionRequest)
+        check_common(req)
+        return await respond(request, req, "completion", _encode_prompts(req.prompt, tok),
+                             "prompt")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        req = parse_request(ChatCompletionRequest,
+                            await _read_json(request, config.max_body_bytes))
+        check_common(req)
+        if tok is None or not tok.chat_template:
+            raise APIError(400, "This model has no chat template; use /v1/completions.")
+        assert isinstance(req, ChatCompletionRequest)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            ids = tok.encode(tok.apply_chat_template(messages))
+        except Exception as exc:  # a template's raise_exception(), e.g. a bad role order
+            raise APIError(400, f"The chat template rejected the messages: {exc}",
+                           param="messages") from None
+        return await respond(request, req, "chat", [ids], "messages")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(config.model_name, created, max_len)]}
+
+    @app.get("/v1/models/{model_id}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != config.model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist.", param="model",
+                           code="model_not_found")
+        return _model_card(model_id, created, max_len)
+
+    @app.get("/health")
+    async def health() -> Any:
+        if not engine.alive:
+            return JSONResponse({"status": "error", "error": engine.error}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(engine.metrics.render(engine.num_pending),
+                                 media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _model_card(name: str, created: int, max_len: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "specstream",
+            "max_model_len": max_len}
+
+
+def _encode_prompts(prompt: Any, tok: Any) -> list[list[int]]:
+    """``prompt`` as token-id lists: text, token ids, or a list of either."""
+    items = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) \
+        else list(prompt)
+    if not items:
+        raise APIError(400, "prompt is empty.", param="prompt")
+    out = []
+    for p in items:
+        if isinstance(p, str):
+            if tok is None:
+                raise APIError(400, "This model has no tokenizer: send token ids.",
+                               param="prompt")
+            p = tok.encode(p)
+        if not p:
+            raise APIError(400, "prompt is empty: give at least one token.", param="prompt")
+        out.append(list(p))
+    return out

@@ -1,0 +1,236 @@
+"""The engine loop thread and per-request asyncio queues.
+
+The engine is not thread-safe, so exactly one thread (the loop) ever calls it. HTTP handlers
+send it commands (add, abort) through a thread-safe queue that the loop drains between steps;
+the loop hands every output back to the handler's ``asyncio.Queue`` with
+``call_soon_threadsafe``. Outputs are cumulative (full text so far), so a consumer may skip to
+the newest one.
+
+Backpressure: at most ``max_queue`` requests may wait for admission at a time (more get
+:class:`QueueFull`, a 429), and a request not admitted within ``queue_timeout_s`` is withdrawn
+(:class:`AdmitTimeout`, a 503). Once admitted, a request runs to completion unless its client
+goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from specstream.engine.request import CompletionOutput, RequestOutput, Status
+from specstream.llm import LLM
+from specstream.sampling_params import SamplingParams
+from specstream.server.metrics import ServerMetrics
+
+log = logging.getLogger("specstream.server")
+SNAPSHOT_EVERY_S = 0.25  # how often the loop copies engine metrics for /metrics
+
+
+class QueueFull(Exception):
+    """Too many requests are already waiting for admission."""
+
+
+class AdmitTimeout(Exception):
+    """The request could not be admitted in time (memory or batch slots stayed full)."""
+
+
+class EngineDead(Exception):
+    """The engine loop is not running."""
+
+
+@dataclass
+class _Pending:
+    """One engine request, as the loop thread tracks it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    outputs: asyncio.Queue[RequestOutput]
+    admitted: asyncio.Event = field(default_factory=asyncio.Event)
+    add_error: Exception | None = None
+
+
+class AsyncEngine:
+    """Runs ``llm.engine`` in its own thread; handlers ``await`` admission and read outputs."""
+
+    def __init__(self, llm: LLM, max_queue: int = 256, queue_timeout_s: float = 60.0,
+                 metrics: ServerMetrics | None = None) -> None:
+        self.llm, self.engine = llm, llm.engine
+        self.max_queue, self.queue_timeout_s = max_queue, queue_timeout_s
+        self.metrics = metrics or ServerMetrics()
+        self.num_pending = 0  # requests awaiting admission (event-loop side only)
+        self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._live: dict[str, _Pending] = {}  # loop-thread side only
+        self._unadmitted: dict[str, _Pending] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.error: str | None = None
+
+    # ---- event-loop side ----------------------------------------------------------------
+    def start(self) -> None:
+        """Start the loop thread; call from the event loop that will read the outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="specstream-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    async def add(self, requests: list[tuple[str, list[int], SamplingParams]],
+                  outputs: asyncio.Queue[RequestOutput]) -> None:
+        """Add requests that share one output queue; return once all are admitted.
+
+        Raises ValueError (invalid for the engine), QueueFull, AdmitTimeout or EngineDead; on
+        any failure, and on cancellation (the client left), none of them stays in the engine.
+        """
+        if not self.alive:
+            raise EngineDead(self.error or "the engine loop is not running")
+        if self.num_pending + len(requests) > self.max_queue:
+            self.metrics.on_reject("queue_full")
+            raise QueueFull(f"the server is busy: {self.num_pending} requests are already "
+                            f"waiting for admission (--max-queue {self.max_queue}); retry later")
+        items = [_Pending(rid, ids, p, outputs) for rid, ids, p in requests]
+        self.num_pending += len(items)
+        try:
+            for it in items:
+                self._cmds.put(("add", it))
+            waits = [it.admitted.wait() for it in items]
+            await asyncio.wait_for(asyncio.gather(*waits), self.queue_timeout_s)
+        except asyncio.TimeoutError:
+            self.abort([it.request_id for it in items])
+            self.metrics.on_reject("admit_timeout")
+            raise AdmitTimeout(
+                f"the request was not admitted within {self.queue_timeout_s:g} s: KV memory "
+                "and batch slots stayed full; retry later") from None
+        except BaseException:
+            self.abort([it.request_id for it in items])
+            raise
+        finally:
+            self.num_pending -= len(items)
+        errors = [it.add_error for it in items if it.add_error is not None]
+        if errors:
+            self.abort([it.request_id for it in items])
+            raise errors[0]
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Withdraw requests (no-op for finished ones); their KV is freed on both tiers."""
+        for rid in request_ids:
+            self._cmds.put(("abort", rid))
+
+    # ---- loop thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        last_snapshot = 0.0
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    t0 = time.perf_counter()
+                    outs = self.engine.step()
+                    self.metrics.on_step(time.perf_counter() - t0)
+                    self._dispatch(outs)
+                self._signal_admitted()
+                if time.perf_counter() - last_snapshot > SNAPSHOT_EVERY_S:
+                    self.metrics.on_engine(self.engine.get_metrics())
+                    last_snapshot = time.perf_counter()
+        except Exception as exc:  # a bug or a device fault: fail everyone, loudly
+            log.exception("engine loop crashed")
+            self.error = f"engine loop crashed: {type(exc).__name__}: {exc}"
+        self._fail_all(self.error or "the server is shutting down")
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._cmds.get(timeout=0.05) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, arg = cmd
+            if kind == "add":
+                self._add(arg)
+            else:
+                self._abort(arg)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, it: _Pending) -> None:
+        try:
+            self.engine.add_request(it.prompt_token_ids, it.params, it.request_id)
+        except ValueError as exc:
+            it.add_error = exc
+            self._call(it.admitted.set)
+            return
+        self._live[it.request_id] = it
+        self._unadmitted[it.request_id] = it
+
+    def _abort(self, rid: str) -> None:
+        if self._live.pop(rid, None) is None:
+            return  # finished (or never added)
+        self._unadmitted.pop(rid, None)
+        self.engine.abort_request(rid)
+        self._release(rid)
+        self.metrics.on_finish(None, "abort")
+
+    def _dispatch(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            it = self._live.get(out.request_id)
+            if it is None:
+                continue
+            self._call(it.outputs.put_nowait, out)
+            if out.finished:
+                del self._live[out.request_id]
+                self._release(out.request_id)
+                self.metrics.on_finish(out, out.outputs[0].finish_reason or "stop")
+
+    def _signal_admitted(self) -> None:
+        requests = self.engine.scheduler.requests
+        for rid, it in list(self._unadmitted.items()):
+            req = requests.get(rid)
+            if req is None or req.status is not Status.WAITING:
+                del self._unadmitted[rid]
+                self._call(it.admitted.set)
+
+    def _release(self, rid: str) -> None:
+        """Forget a finished request (the scheduler keeps finished ones, which would leak)."""
+        self.engine.scheduler.requests.pop(rid, None)
+
+    def _fail_all(self, message: str) -> None:
+        for rid, it in list(self._live.items()):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # the engine may be broken; the clients must still hear
+                log.exception("abort of %s failed", rid)
+            comp = CompletionOutput(0, "", [], "error", error=message)
+            out = RequestOutput(it.request_id, None, it.prompt_token_ids, [comp], True)
+            self._call(it.outputs.put_nowait, out)
+            self._call(it.admitted.set)
+        self._live.clear()
+        self._unadmitted.clear()
+        while True:  # adds that never reached the engine
+            try:
+                kind, arg = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                arg.add_error = EngineDead(message)
+                self._call(arg.admitted.set)
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        if self._loop is None or self._loop.is_closed():
+            return
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop closed meanwhile
+            pass

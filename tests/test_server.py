@@ -1,0 +1,299 @@
+"""The OpenAI-compatible server, started for real on a loopback port and driven with ``openai``.
+
+Fixtures here (a tiny random Qwen3 with a trained byte-level BPE tokenizer and chat template,
+and a uvicorn server in a background thread) are reused by ``test_server_faults.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from specstream import LLM, SamplingParams  # noqa: E402
+
+MODEL = "tiny"
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% endif %}")
+# n-gram speculation on: verification is lossless, so greedy text must still match offline
+ENGINE = dict(device_kv_bytes=4_000_000, block_size=16, max_prefill_tokens=256, proposer="ngram",
+              num_speculative_tokens=3)
+PROMPTS = ["def step(self):", "The engine", "import torch\n", "class Scheduler:",
+           "return self.", "# KV blocks", "for req in", "async def"]
+
+
+def build_chat_model(folder: Path) -> Path:
+    """A random 2-layer Qwen3 with a 512-token BPE trained on this repo's own sources."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if (folder / "config.json").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    src = Path(__file__).resolve().parents[1] / "specstream"
+    lines = [ln for f in sorted(src.rglob("*.py"))[:40] for ln in f.read_text().splitlines()]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(lines, trainers.BpeTrainer(
+        vocab_size=512, special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "bos_token": None, "chat_template": CHAT_TEMPLATE}))
+    torch.manual_seed(0)
+    eos = tok.token_to_id("<|endoftext|>")
+    cfg = Qwen3Config(vocab_size=tok.get_vocab_size(), hidden_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      intermediate_size=128, max_position_embeddings=2048,
+                      initializer_range=0.2, tie_word_embeddings=False, eos_token_id=eos,
+                      bos_token_id=eos, pad_token_id=eos)
+    Qwen3ForCausalLM(cfg).eval().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_chat_model(tmp_path_factory.getbasetemp() / "server-model")
+
+
+class LiveServer:
+    """uvicorn serving ``build_app(llm, config)`` on a free loopback port, in a thread."""
+
+    def __init__(self, llm: LLM, **config: Any) -> None:
+        import uvicorn
+
+        from specstream.server.app import ServerConfig, build_app
+
+        self.llm = llm
+        self.app = build_app(llm, ServerConfig(model_name=MODEL, **config))
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, args=([self.sock],), daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+
+    @property
+    def engine(self) -> Any:
+        return self.app.state.engine
+
+    def client(self, **kw: Any) -> Any:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "x"),
+                             max_retries=0, **kw)
+
+    def async_client(self, **kw: Any) -> Any:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0, **kw)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name))
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.llm.close()
+
+
+@pytest.fixture(scope="module")
+def server(chat_model: Path) -> Iterator[LiveServer]:
+    live = LiveServer(LLM(chat_model, **ENGINE), max_body_bytes=20_000)
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
+def offline(chat_model: Path) -> Iterator[LLM]:
+    llm = LLM(chat_model, **ENGINE)
+    yield llm
+    llm.close()
+
+
+def greedy(llm: LLM, prompts: list[Any], max_tokens: int) -> list[Any]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_models_health_metrics(server: LiveServer) -> None:
+    assert [m.id for m in server.client().models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("specstream_requests_running", "specstream_kv_host_used_bytes",
+                 "specstream_generation_tokens_per_second", "specstream_spec_acceptance_rate",
+                 'specstream_link_bytes_total{direction="h2d"}', "specstream_link_utilisation",
+                 "specstream_time_to_first_token_seconds_bucket", "# TYPE "):
+        assert name in text
+
+
+def test_completions_equal_offline_greedy(server: LiveServer, offline: LLM) -> None:
+    ref = greedy(offline, PROMPTS[:4], 12)
+    client = server.client()
+    for prompt, r in zip(PROMPTS[:4], ref):
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                        temperature=0)
+        assert out.choices[0].text == r.text and out.choices[0].finish_reason == r.finish_reason
+        assert out.usage.prompt_tokens == len(offline.tokenizer.encode(prompt))
+        assert out.usage.completion_tokens == len(r.token_ids)
+    # token-id prompts and a batch of prompts: one choice per prompt, in order
+    ids = offline.tokenizer.encode(PROMPTS[0])
+    batch = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=12,
+                                      temperature=0)
+    assert [c.text for c in batch.choices] == [ref[0].text, ref[0].text]
+
+
+def test_chat_stream_and_usage(server: LiveServer, offline: LLM) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    params = SamplingParams(temperature=0, max_tokens=10)
+    ref = offline.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    client = server.client()
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                         temperature=0)
+    assert out.choices[0].message.content == ref.text
+    assert out.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stop_strings(server: LiveServer, offline: LLM) -> None:
+    full = greedy(offline, [PROMPTS[1]], 24)[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    assert len(stop) == 2
+    want = full[: full.index(stop)]
+    client = server.client()
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24,
+                                    temperature=0, stop=[stop])
+    assert out.choices[0].text == want and out.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24,
+                                            temperature=0, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_n_and_seed(server: LiveServer) -> None:
+    client = server.client()
+    kw = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=1.0, seed=7, n=3)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    assert len({c.text for c in a.choices}) > 1  # seeds seed+i: the choices differ
+    assert 3 <= a.usage.completion_tokens <= 3 * 8  # all choices count, the prompt once
+    assert a.usage.prompt_tokens == len(server.llm.tokenizer.encode(PROMPTS[2]))
+
+
+def test_32_concurrent_streams_equal_offline(server: LiveServer, offline: LLM) -> None:
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(32)]
+    ref = [r.text for r in greedy(offline, prompts, 8)]
+    client = server.async_client()
+
+    async def one(prompt: str) -> str:
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
+                                                 temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def main() -> list[str]:
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    assert asyncio.run(main()) == ref
+    assert server.engine.engine.kv.device.num_used == 0
+    assert server.engine.engine.counters["proposed_tokens"] > 0  # speculation was exercised
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    ({"prompt": "x"}, 400, "model"),
+    ({"model": MODEL}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": list(range(5, 2100))}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "foo": 1}, 400, "foo"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": [99999]}, 400, None),
+    ({"model": MODEL, "prompt": "x" * 30_000}, 413, None),
+])
+def test_bad_input_gets_openai_error(server: LiveServer, body: Any, status: int,
+                                     param: str | None) -> None:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + "/v1/completions", content=data,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    ok = server.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert len(ok.choices) == 1  # the server keeps serving
+
+
+def test_bad_chat_and_unknown_route(server: LiveServer) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": MODEL, "messages": [{"role": "user"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    chunked = httpx.post(server.url + "/v1/completions", content=iter([b"{" + b" " * 15_000] * 2))
+    assert chunked.status_code == 413  # no Content-Length: counted as it arrives
+    r = httpx.get(server.url + "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(model="nope", messages=[
+            {"role": "user", "content": "hi"}])
+
+
+def test_serve_command_defaults_to_loopback() -> None:
+    import argparse
+
+    from specstream.server.cli import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--api-key", "k", "--mode", "stream"])
+    assert (args.host, args.port, args.api_key, args.mode) == ("127.0.0.1", 8000, "k", "stream")
+    assert args.func.__name__ == "run_serve"
+
+
+def test_serve_load_bench_runs_against_the_server(server: LiveServer, tmp_path: Path) -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "serve_load.py"
+    spec = importlib.util.spec_from_file_location("serve_load", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["serve_load"] = bench  # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    out = tmp_path / "load.json"
+    rc = bench.main(["--base-url", server.url, "--model", MODEL, "--tokenizer", "none",
+                     "--vocab-size", "500", "--concurrency", "4", "--num-requests", "12",
+                     "--prompt-len", "20", "--output-len", "4", "--json", str(out)])
+    record = json.loads(out.read_text())
+    assert rc == 0 and (record["sent"], record["completed"], record["failed"]) == (12, 12, 0)
+    assert record["output_throughput"] > 0 and record["ttft_ms"]["p50"] > 0
+    assert record["tpot_ms"]["p99"] >= record["tpot_ms"]["p50"] > 0

@@ -1,0 +1,178 @@
+"""The server under faults: cancelled streams, a failed KV transfer, backpressure, API keys.
+
+An offloading mode (``stream``, small blocks and thresholds) keeps the host tier in use, so a
+leak on either tier shows up in ``engine.kv.{device,host}.num_used``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from test_server import MODEL, LiveServer, chat_model  # noqa: E402, F401
+
+from specstream import LLM, SamplingParams  # noqa: E402
+
+OFFLOAD = dict(mode="stream", device_kv_bytes=1_000_000, host_kv_bytes=20_000_000, block_size=16,
+               chunk_tokens=64, resident_tail_tokens=32, offload_after_tokens=64,
+               max_prefill_tokens=64)
+
+
+def token_prompts(n: int, length: int = 150) -> list[list[int]]:
+    return [[(7 * i + 13 * j) % 400 + 5 for j in range(length + 10 * i)] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def offload_server(chat_model: Path) -> Iterator[LiveServer]:  # noqa: F811
+    live = LiveServer(LLM(chat_model, **OFFLOAD))
+    yield live
+    live.close()
+
+
+def wait_for(cond: Any, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_cancelling_half_the_streams_leaks_no_blocks(offload_server: LiveServer) -> None:
+    kv = offload_server.engine.engine.kv
+    base = (kv.device.num_used, kv.host.num_used)
+    prompts = token_prompts(12)
+    client = offload_server.async_client()
+
+    async def main() -> list[Any]:
+        streams = [await client.completions.create(
+            model=MODEL, prompt=p, max_tokens=200, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}) for p in prompts]
+        firsts = [await s.__anext__() for s in streams]  # every request is in flight
+        assert all(f.choices[0].finish_reason is None for f in firsts)
+        for s in streams[::2]:
+            await s.close()  # the client goes away mid-stream
+        rest = []
+        for s in streams[1::2]:
+            rest.append([c.choices[0] async for c in s])
+        return rest
+
+    rest = asyncio.run(main())
+    assert all(r[-1].finish_reason == "length" for r in rest)
+    assert wait_for(lambda: offload_server.metric(
+        'specstream_requests_finished_total{finish_reason="abort"}') == 6)
+    assert kv.host.peak_used > 0  # the host tier was really in use
+    assert wait_for(lambda: (kv.device.num_used, kv.host.num_used) == base)
+    assert offload_server.engine.engine.scheduler.requests == {}
+
+
+def test_transfer_failure_fails_only_its_stream(offload_server: LiveServer,
+                                                chat_model: Path) -> None:  # noqa: F811
+    prompts = token_prompts(4, length=120)
+    ref_llm = LLM(chat_model, **OFFLOAD)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = [o.outputs[0].text for o in ref_llm.generate(prompts, params, use_tqdm=False)]
+    ref_llm.close()
+    backend = offload_server.engine.engine.backend
+    backend.inject_failure(lambda tag: tag == "boom-0")
+    client = offload_server.async_client()
+
+    async def one(i: int) -> str:
+        headers = {"x-request-id": "boom"} if i == 1 else {}
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompts[i], max_tokens=16, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}, extra_headers=headers)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(*(one(i) for i in range(4)), return_exceptions=True)
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        backend.clear_failures()
+    assert isinstance(outs[1], openai.APIError) and "transfer" in str(outs[1]).lower()
+    assert [outs[0], outs[2], outs[3]] == [ref[0], ref[2], ref[3]]
+    kv = offload_server.engine.engine.kv
+    assert wait_for(lambda: kv.device.num_used == 0 and kv.host.num_used == 0)
+    ok = offload_server.client().completions.create(model=MODEL, prompt=prompts[1],
+                                                    max_tokens=4, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_backpressure_and_api_key(chat_model: Path) -> None:  # noqa: F811
+    live = LiveServer(LLM(chat_model, max_num_seqs=1, device_kv_bytes=4_000_000),
+                      max_queue=1, queue_timeout_s=1.0, api_key="sekrit")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            live.client(api_key="wrong").models.list()
+        assert httpx.get(live.url + "/v1/models").json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(live.url + "/health").status_code == 200  # probes need no key
+        client = live.client(api_key="sekrit")
+        long = client.completions.create(model=MODEL, prompt="a", max_tokens=2000,
+                                         temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})
+        next(iter(long))  # running: it holds the only batch slot
+
+        async def queued() -> httpx.Response:
+            async with httpx.AsyncClient(headers={"authorization": "Bearer sekrit"}) as c:
+                return await c.post(live.url + "/v1/completions",
+                                    json={"model": MODEL, "prompt": "b", "max_tokens": 2})
+
+        async def main() -> tuple[httpx.Response, httpx.Response]:
+            waiting = asyncio.create_task(queued())
+            while live.engine.num_pending < 1:
+                await asyncio.sleep(0.01)
+            refused = await queued()  # the queue (max 1) is full
+            return refused, await waiting
+
+        refused, timed_out = asyncio.run(main())
+        assert refused.status_code == 429 and "max-queue" in refused.json()["error"]["message"]
+        assert timed_out.status_code == 503 and "admitted" in timed_out.json()["error"]["message"]
+        long.close()
+        ok = client.completions.create(model=MODEL, prompt="c", max_tokens=3)
+        assert ok.choices[0].finish_reason is not None
+        assert live.metric("specstream_requests_rejected_total") == 2
+        kv = live.engine.engine.kv
+        assert wait_for(lambda: kv.device.num_used == 0)
+    finally:
+        live.close()
+
+
+def test_non_streaming_client_that_leaves_is_aborted(offload_server: LiveServer) -> None:
+    kv = offload_server.engine.engine.kv
+    name = 'specstream_requests_finished_total{finish_reason="abort"}'
+    aborted = offload_server.metric(name)
+    body = {"model": MODEL, "prompt": token_prompts(1)[0], "max_tokens": 1500,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(offload_server.url + "/v1/completions", json=body, timeout=0.5)
+    assert wait_for(lambda: offload_server.metric(name) == aborted + 1)
+    assert wait_for(lambda: kv.device.num_used == 0 and kv.host.num_used == 0)
+
+
+def test_engine_crash_fails_requests_and_health(chat_model: Path) -> None:  # noqa: F811
+    live = LiveServer(LLM(chat_model, device_kv_bytes=4_000_000))
+    try:
+        def boom() -> list:
+            raise RuntimeError("device lost")
+
+        live.engine.engine.step = boom
+        r = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "a"})
+        assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "server_error"
+        assert httpx.get(live.url + "/health").status_code == 503
+        r = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "a"})
+        assert r.status_code == 503 and "crashed" in r.json()["error"]["message"]
+    finally:
+        live.close()
