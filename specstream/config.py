@@ -78,6 +78,7 @@ class EngineConfig:
     draft_sink_tokens: int = 4
     # Intra-op threads for compute on cpu (1 leaves a core to the copy thread).
     compute_threads: int | None = 1
+    # Seeds the global generator that requests without their own seed sample from.
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from specstream.backends import limit_compute_threads, make_backend
 from specstream.config import EngineConfig
 from specstream.engine.executor import Executor
@@ -32,6 +34,7 @@ class LLMEngine:
         self.config = config
         self.tracer = Tracer(trace)
         device = config.device
+        torch.manual_seed(config.seed)  # requests without their own seed draw from it (as vLLM)
         if device.startswith("cpu") and config.compute_threads is not None:
             limit_compute_threads(config.compute_threads)
         self.dtype = resolve_dtype(config.dtype, device)
