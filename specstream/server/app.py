@@ -161,7 +161,7 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
         assert isinstance(req, ChatCompletionRequest)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
-            ids = tok.encode(tok.apply_chat_template(messages))
+            ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
         except Exception as exc:  # a template's raise_exception(), e.g. a bad role order
             raise APIError(400, f"The chat template rejected the messages: {exc}",
                            param="messages") from None
