@@ -32,7 +32,10 @@ def calibration_from(
     q = s.num_speculative_tokens
     verify, draft_steps = [], []
     for r in results.get("resident", {}).get("rounds", []):
-        # resident rounds: no link; compute = verification + sequential drafting
+        # resident rounds: no link; compute = verification + sequential drafting. Rounds that
+        # also carried a prefill chunk are left out: they are not one verification.
+        if r["prefill_tokens"]:
+            continue
         verify.append({"query_tokens": r["query_tokens"], "q_per_request": q + 1,
                        "context_tokens": r["context_tokens"],
                        "seconds": max(0.0, r["compute_s"] - r["draft_s"])})
@@ -40,12 +43,17 @@ def calibration_from(
             draft_steps.append({"query_tokens": r["num_seqs"], "q_per_request": 1,
                                 "context_tokens": r["num_seqs"] * 1024,
                                 "seconds": r["draft_s"] / max(1, q)})
-    link = [r for m in results.values() for r in m["rounds"] if r["link_s"] > 0]
-    link_rate = (s.link_gbps or 0) * 1e9
-    if link:
-        moved = sum(m["link_bytes_h2d"] for m in results.values())
-        busy = sum(r["link_s"] for m in results.values() for r in m["rounds"])
-        link_rate = moved / busy if busy else link_rate
+    # link rate as the copies achieved it: all bytes moved over the time the link was busy
+    moved = sum(m["link_bytes_h2d"] + m["link_bytes_d2h"] for m in results.values())
+    busy = sum(m["link_busy_s"] for m in results.values())
+    link_rate = moved / busy if busy else (s.link_gbps or 0) * 1e9
+    # prefill: a request's prompt, from resident's prefill-only steps (no link involved)
+    res = results.get("resident", {})
+    prefill = {}
+    if res.get("prefill_only_time_s"):
+        per_request = res["prefill_only_time_s"] / workload.num_requests
+        prefill = {"target": {"samples": [{"tokens": max(workload.context_lengths),
+                                           "seconds": per_request}]}}
     ss = results.get("specstream") or results.get("offload-spec") or {}
     return {
         "schema": 1,
@@ -57,6 +65,7 @@ def calibration_from(
         "draft": _model_info(draft, Path(draft).name, dtype_bytes),
         "verify_time": {"samples": verify},
         "draft_step_time": {"samples": draft_steps},
+        "prefill_time": prefill,
         "engine": {"chunk_tokens": s.chunk_tokens, "staging_buffers": s.staging_buffers,
                    "resident_tail": s.resident_tail_tokens,
                    "offload_threshold": s.offload_after_tokens, "draft_window": 1024,

@@ -108,11 +108,20 @@ def run_mode(
         "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99),
         "tpot_ms_p50": _pct(tpot, 50), "tpot_ms_p99": _pct(tpot, 99),
         "link_bytes_h2d": m["link_bytes_h2d"] - base["link_bytes_h2d"],
+        "link_bytes_d2h": m["link_bytes_d2h"] - base["link_bytes_d2h"],
+        "link_busy_s": m["link_busy_s"] - base["link_busy_s"],
+        "prefill_only_time_s": m.get("prefill_only_time_s", 0.0)
+        - base.get("prefill_only_time_s", 0.0),
+        # the simulator's names for the same measurements (seconds, British spelling)
+        "ttft_s": _pct(ttft, 50) / 1e3, "tpot_s": _pct(tpot, 50) / 1e3,
+        "link_utilisation": decode_link / decode_t if decode_t else 0.0,
+        "mean_round_s": sum(r.wall_s for r in rounds) / len(rounds) if rounds else 0.0,
         "acceptance_rate": m["acceptance_rate"],
         "rounds": [
             {"wall_s": r.wall_s, "link_s": r.link_s, "compute_s": r.compute_s,
              "draft_s": r.draft_s, "floor_s": r.floor_s, "query_tokens": r.query_tokens,
-             "context_tokens": r.context_tokens, "num_seqs": r.num_seqs}
+             "context_tokens": r.context_tokens, "num_seqs": r.num_seqs,
+             "prefill_tokens": r.prefill_tokens}
             for r in rounds
         ],
     }

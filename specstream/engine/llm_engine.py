@@ -220,6 +220,10 @@ class LLMEngine:
         c["compute_s"] += compute
         c["draft_s"] += result.draft_s
         decode = any(s.sample and not _is_prefill(s) for s in plan.seqs)
+        prefill_tokens = sum(len(s.token_ids) for s in plan.seqs if _is_prefill(s))
+        c["prefill_tokens"] = c.get("prefill_tokens", 0) + prefill_tokens
+        if prefill_tokens and not decode:
+            c["prefill_only_time_s"] = c.get("prefill_only_time_s", 0.0) + wall
         if decode:
             c["decode_steps"] += 1
             c["decode_time_s"] += wall
@@ -229,7 +233,7 @@ class LLMEngine:
             self.rounds.append(RoundStats(
                 result.start, wall, busy, compute, result.draft_s, result.wait_s, floor,
                 plan.num_tokens, sum(s.start_pos + len(s.token_ids) for s in plan.seqs),
-                len(plan.seqs),
+                len(plan.seqs), prefill_tokens,
             ))
             self.tracer.add("round", "round", result.start, end)
 
@@ -371,6 +375,7 @@ class RoundStats:
     query_tokens: int = 0  # tokens the target processed in the round (all requests)
     context_tokens: int = 0  # tokens attended (all requests)
     num_seqs: int = 0
+    prefill_tokens: int = 0  # prompt tokens prefilled in the same step (mixed steps)
 
 
 def _is_prefill(s: SeqWork) -> bool:
