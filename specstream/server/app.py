@@ -9,7 +9,7 @@ from __future__ import annotations
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -97,32 +97,39 @@ async def _read_json(request: Request, limit: int) -> Any:
         raise APIError(400, f"The request body is not valid JSON: {exc}") from None
 
 
-def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
-    """An OpenAI-compatible app over ``llm``; the engine thread lives as long as the app runs."""
-    engine = AsyncEngine(llm, config.max_queue, config.queue_timeout_s)
+SubmitHook = Callable[[Any, Any], dict[str, str]]  # (job, parsed request) -> response headers
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
-        yield
-        engine.shutdown()
 
-    app = FastAPI(title="SpecStream", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.engine = engine
-    app.state.config = config
+def openai_app(
+    config: ServerConfig,
+    tok: Any,
+    max_len: int,
+    backend: Any,
+    health: Callable[[], Awaitable[JSONResponse]],
+    metrics: Callable[[], Awaitable[str]],
+    on_submit: SubmitHook | None = None,
+    **fastapi_kwargs: Any,
+) -> FastAPI:
+    """The OpenAI routes over ``backend`` (anything ``serving.submit/stream/collect`` accept:
+    the local :class:`AsyncEngine`, or the Ray ingress's replica pool).
+
+    Endpoints are plain Starlette routes, so callers that import FastAPI lazily can use it.
+    """
+    app = FastAPI(docs_url=None, redoc_url=None, **fastapi_kwargs)
     app.add_middleware(GuardMiddleware, api_key=config.api_key,
                        max_body_bytes=config.max_body_bytes)
-    tok = llm.engine.tokenizer
-    max_len = llm.engine.max_model_len
     created = int(time.time())
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    async def api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
         return _json_error(exc)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
         return _json_error(APIError(exc.status_code, str(exc.detail)))
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
 
     def check_common(req: Any) -> None:
         if req.model != config.model_name:
@@ -138,12 +145,13 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
         stops = tuple(params[0].stop or ())  # normalised to a tuple by SamplingParams
         job = serving.new_job(kind, req.model, [len(p) for p in prompts], stops, usage,
                               request.headers.get("x-request-id"))
-        await serving.submit(engine, job, prompts, params)
+        await serving.submit(backend, job, prompts, params)
+        headers = on_submit(job, req) if on_submit is not None else {}
         if req.stream:
-            return StreamingResponse(serving.stream(engine, job), media_type="text/event-stream")
-        return JSONResponse(await serving.collect(engine, job, request))
+            return StreamingResponse(serving.stream(backend, job),
+                                     media_type="text/event-stream", headers=headers)
+        return JSONResponse(await serving.collect(backend, job, request), headers=headers)
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         req = parse_request(CompletionRequest, await _read_json(request, config.max_body_bytes))
         assert isinstance(req, CompletionRequest)
@@ -151,7 +159,6 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
         return await respond(request, req, "completion", _encode_prompts(req.prompt, tok),
                              "prompt")
 
-    @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         req = parse_request(ChatCompletionRequest,
                             await _read_json(request, config.max_body_bytes))
@@ -161,34 +168,61 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
         assert isinstance(req, ChatCompletionRequest)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
+            # the template writes any BOS itself, so no special tokens are added here
             ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
         except Exception as exc:  # a template's raise_exception(), e.g. a bad role order
             raise APIError(400, f"The chat template rejected the messages: {exc}",
                            param="messages") from None
         return await respond(request, req, "chat", [ids], "messages")
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(config.model_name, created, max_len)]}
+    async def models(request: Request) -> JSONResponse:
+        card = _model_card(config.model_name, created, max_len)
+        return JSONResponse({"object": "list", "data": [card]})
 
-    @app.get("/v1/models/{model_id}")
-    async def model(model_id: str) -> dict[str, Any]:
+    async def model(request: Request) -> JSONResponse:
+        model_id = request.path_params["model_id"]
         if model_id != config.model_name:
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model",
                            code="model_not_found")
-        return _model_card(model_id, created, max_len)
+        return JSONResponse(_model_card(model_id, created, max_len))
 
-    @app.get("/health")
-    async def health() -> Any:
+    async def health_route(request: Request) -> JSONResponse:
+        return await health()
+
+    async def metrics_route(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(await metrics(), media_type="text/plain; version=0.0.4")
+
+    for path, endpoint, method in [
+        ("/v1/completions", completions, "POST"), ("/v1/chat/completions", chat, "POST"),
+        ("/v1/models", models, "GET"), ("/v1/models/{model_id}", model, "GET"),
+        ("/health", health_route, "GET"), ("/metrics", metrics_route, "GET"),
+    ]:
+        app.add_route(path, endpoint, methods=[method])
+    return app
+
+
+def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
+    """An OpenAI-compatible app over ``llm``; the engine thread lives as long as the app runs."""
+    engine = AsyncEngine(llm, config.max_queue, config.queue_timeout_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.shutdown()
+
+    async def health() -> JSONResponse:
         if not engine.alive:
             return JSONResponse({"status": "error", "error": engine.error}, status_code=503)
-        return {"status": "ok"}
+        return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(engine.metrics.render(engine.num_pending),
-                                 media_type="text/plain; version=0.0.4")
+    async def metrics() -> str:
+        return engine.metrics.render(engine.num_pending)
 
+    app = openai_app(config, llm.engine.tokenizer, llm.engine.max_model_len, engine, health,
+                     metrics, title="SpecStream", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.config = config
     return app
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from ray.serve.deployment import Application
     from ray.serve.handle import DeploymentHandle
 
@@ -355,99 +355,18 @@ class OpenAIIngress:
 
 def build_ingress_app(pool: ReplicaPool, engines: DeploymentHandle, config: ServerConfig,
                       tok: Any, max_len: int) -> FastAPI:
-    """The routes of ``app.build_app`` with jobs sent to replicas and ``/metrics`` merged."""
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
+    """The single-process server's routes (``app.openai_app``) with jobs sent to replicas,
+    the serving replica named in a response header and ``/metrics`` merged over replicas."""
+    from fastapi.responses import JSONResponse
 
-    from specstream.server import serving
-    from specstream.server.app import (
-        GuardMiddleware,
-        _encode_prompts,
-        _json_error,
-        _model_card,
-        _read_json,
-    )
-    from specstream.server.protocol import (
-        APIError,
-        ChatCompletionRequest,
-        CompletionRequest,
-        parse_request,
-    )
+    from specstream.server.app import openai_app
 
-    # Plain Starlette endpoints (app.add_route): FastAPI would resolve the string annotations
-    # against this module's globals, where the lazily imported names are missing.
-    app = FastAPI(title="SpecStream on Ray Serve", docs_url=None, redoc_url=None)
-    app.add_middleware(GuardMiddleware, api_key=config.api_key,
-                       max_body_bytes=config.max_body_bytes)
-    created = int(time.time())
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _json_error(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _json_error(APIError(exc.status_code, str(exc.detail)))
-
-    def check_common(req: Any) -> None:
-        if req.model != config.model_name:
-            raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
-                                f"`{config.model_name}`.", param="model", code="model_not_found")
-        if not 1 <= req.n <= config.max_n:
-            raise APIError(400, f"n must be in [1, {config.max_n}], got {req.n}", param="n")
-
-    async def respond(request: Request, req: Any, kind: str, prompts: list[list[int]],
-                      param: str) -> Any:
-        params = [serving.sampling_params(req, len(p), max_len, param) for p in prompts]
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-        stops = tuple(params[0].stop or ())
-        job = serving.new_job(kind, req.model, [len(p) for p in prompts], stops, usage,
-                              request.headers.get("x-request-id"))
-        await serving.submit(pool, job, prompts, params)  # type: ignore[arg-type]
+    def on_submit(job: Any, req: Any) -> dict[str, str]:
         remote = pool.job(job.request_ids)
         remote.restartable = not req.stream
-        headers = {REPLICA_HEADER: remote.replica or ""}
-        if req.stream:
-            return StreamingResponse(serving.stream(pool, job),  # type: ignore[arg-type]
-                                     media_type="text/event-stream", headers=headers)
-        body = await serving.collect(pool, job, request)  # type: ignore[arg-type]
-        return JSONResponse(body, headers={REPLICA_HEADER: remote.replica or ""})
+        return {REPLICA_HEADER: remote.replica or ""}
 
-    async def completions(request: Request) -> Any:
-        req = parse_request(CompletionRequest, await _read_json(request, config.max_body_bytes))
-        assert isinstance(req, CompletionRequest)
-        check_common(req)
-        return await respond(request, req, "completion", _encode_prompts(req.prompt, tok),
-                             "prompt")
-
-    async def chat(request: Request) -> Any:
-        req = parse_request(ChatCompletionRequest,
-                            await _read_json(request, config.max_body_bytes))
-        check_common(req)
-        if tok is None or not tok.chat_template:
-            raise APIError(400, "This model has no chat template; use /v1/completions.")
-        assert isinstance(req, ChatCompletionRequest)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
-        except Exception as exc:  # a template's raise_exception(), e.g. a bad role order
-            raise APIError(400, f"The chat template rejected the messages: {exc}",
-                           param="messages") from None
-        return await respond(request, req, "chat", [ids], "messages")
-
-    async def models(request: Request) -> JSONResponse:
-        card = _model_card(config.model_name, created, max_len)
-        return JSONResponse({"object": "list", "data": [card]})
-
-    async def model(request: Request) -> JSONResponse:
-        model_id = request.path_params["model_id"]
-        if model_id != config.model_name:
-            raise APIError(404, f"The model `{model_id}` does not exist.", param="model",
-                           code="model_not_found")
-        return JSONResponse(_model_card(model_id, created, max_len))
-
-    async def health(request: Request) -> JSONResponse:
+    async def health() -> JSONResponse:
         snaps = await replica_metrics(engines)
         alive = sum(1 for s in snaps if s["alive"])
         if not alive:
@@ -455,18 +374,12 @@ def build_ingress_app(pool: ReplicaPool, engines: DeploymentHandle, config: Serv
                                 status_code=503)
         return JSONResponse({"status": "ok", "replicas": alive})
 
-    async def metrics(request: Request) -> PlainTextResponse:
+    async def metrics() -> str:
         snaps = await replica_metrics(engines)
-        text = merge_prometheus([s["text"] for s in snaps]) + pool_metrics(pool, snaps)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return merge_prometheus([s["text"] for s in snaps]) + pool_metrics(pool, snaps)
 
-    for path, endpoint, method in [
-        ("/v1/completions", completions, "POST"), ("/v1/chat/completions", chat, "POST"),
-        ("/v1/models", models, "GET"), ("/v1/models/{model_id}", model, "GET"),
-        ("/health", health, "GET"), ("/metrics", metrics, "GET"),
-    ]:
-        app.add_route(path, endpoint, methods=[method])
-    return app
+    return openai_app(config, tok, max_len, pool, health, metrics, on_submit,
+                      title="SpecStream on Ray Serve")
 
 
 async def replica_metrics(engines: DeploymentHandle, timeout_s: float = 5.0) -> list[dict]:
