@@ -77,8 +77,11 @@ class CompletionOutput:
 
     @property
     def mean_accepted_len(self) -> float:
-        """Mean tokens produced per verification round (accepted drafts + 1)."""
-        return len(self.token_ids) / self.num_rounds if self.num_rounds else 0.0
+        """Mean tokens produced per verification round (accepted drafts + 1); the first token,
+        which comes from the prefill, is not a round."""
+        if not self.num_rounds:
+            return 0.0
+        return (self.num_accepted_tokens + self.num_rounds) / self.num_rounds
 
 
 @dataclass
