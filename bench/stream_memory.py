@@ -48,7 +48,13 @@ def main() -> None:
                       chunk_tokens=2048, resident_tail_tokens=512, offload_after_tokens=1024,
                       max_prefill_tokens=2048)
             params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-            llm.generate([prompt.tolist()], params, use_tqdm=False)
+            try:
+                llm.generate([prompt.tolist()], params, use_tqdm=False)
+            except ValueError as exc:  # the whole-layer restore no longer fits the budget
+                print(f"{ctx:>8} {mode:>8}  refused: {exc}", flush=True)
+                rows.append({"history": ctx, "mode": mode, "refused": str(exc)})
+                llm.close()
+                continue
             m = llm.get_metrics()
             t = m["decode_time_s"] / max(1, m["decode_steps"])
             row = {"history": ctx, "mode": mode, "device_kv_peak_bytes": m["device_kv_peak_bytes"],

@@ -23,6 +23,8 @@ from specstream.sim.rounds import simulate_round
 from specstream.sim.serving import simulate_mode
 
 BENCH = Path(__file__).parent / "data" / "bench_example.json"
+# a real CPU bench run (bench/results/bench-quick-0.5.json), per-step samples included
+BENCH_STEPS = Path(__file__).parent / "data" / "bench_cpu_steps.json"
 KIB = 1024
 V, D = 0.010, 0.002  # verify forward, draft step: constant times in the closed-form cases
 ALPHA = AcceptanceModel(alpha=0.5)
@@ -198,3 +200,36 @@ def test_cli_simulate_plots_and_calibrate(tmp_path: Path,
     assert _cli(["--calibrate", str(BENCH)]) == 0
     assert "rel. error" in capsys.readouterr().out
     assert _cli(["--calibrate", str(BENCH), "--max-error", "0.01"]) == 1
+
+
+def test_calibration_replays_engine_steps_of_a_real_bench_run() -> None:
+    from specstream.sim.replay import engine_concurrency, replay, setups
+
+    data = json.loads(BENCH_STEPS.read_text())
+    runs = setups(data)
+    cal = data["calibration"]
+    # admission as the engine's reservations allow: resident holds whole requests, restore
+    # modes keep half the budget for restores, specstream only the staging chunks
+    assert {m: engine_concurrency(m, cal, 128, 1024) for m in runs} == {
+        "resident": 4, "offload": 5, "offload-spec": 5, "specstream": 12, "parallel-spec": 5}
+    # the replay's schedule is the engine's: same number of decode steps and prefill chunks
+    for mode, s in runs.items():
+        measured = data["modes"][mode]["rounds"]
+        assert s.notes["steps_decode"] == pytest.approx(len(measured), rel=0.1)
+        steps: list[tuple[str, list[float]]] = []
+        replay(s, steps)
+        prefill = sum(row[4] for _, row in steps)
+        assert prefill == sum(cal["workload"]["context_lengths"])
+        assert 0 <= s.cost.overlap <= 1
+    # two groups: a specstream step verifies half of the running requests
+    steps = []
+    replay(runs["specstream"], steps)
+    assert max(row[1] for kind, row in steps if kind == "decode") == 3
+    _, results, measured = predict(BENCH_STEPS)
+    errors = relative_errors(results, measured)
+    assert set(errors) == set(measured)
+    assert all(abs(e) < 0.15 for e in errors.values()), errors
+    # pipeline model still available on the same file
+    _, pipe, _ = predict(BENCH_STEPS, model="pipeline")
+    assert [r.mode for r in pipe] == [r.mode for r in results]
+    assert _cli(["--calibrate", str(BENCH_STEPS), "--max-error", "0.15"]) == 0

@@ -60,6 +60,7 @@ def calibration_from(
         "device": s.device,
         "link_bytes_per_s": link_rate,
         "device_memory_bytes": s.device_kv_bytes,
+        "device_budget_covers": "kv",  # the engine's KV budget; weights are outside it
         "host_memory_bytes": s.host_kv_bytes,
         "target": _model_info(target, Path(target).name, dtype_bytes),
         "draft": _model_info(draft, Path(draft).name, dtype_bytes),
@@ -69,7 +70,11 @@ def calibration_from(
         "engine": {"chunk_tokens": s.chunk_tokens, "staging_buffers": s.staging_buffers,
                    "resident_tail": s.resident_tail_tokens,
                    "offload_threshold": s.offload_after_tokens, "draft_window": 1024,
-                   "groups": 2},
+                   "groups": 2,
+                   # the scheduler's knobs the step replay (specstream.sim.replay) needs; it
+                   # costs steps with the per-step samples under modes[*].rounds
+                   "max_prefill_tokens": s.max_prefill_tokens, "block_size": s.block_size,
+                   "max_num_seqs": s.max_num_seqs},
         "workload": {"context_lengths": list(workload.context_lengths),
                      "output_len": workload.output_len, "num_requests": workload.num_requests,
                      "concurrency": workload.num_requests, "arrival_rate": None},

@@ -11,6 +11,10 @@ The bench writes one JSON object. The simulator reads two top-level keys; anythi
       "link_bytes_per_s": 2.0e9,              # measured host->device bandwidth (emulated or
                                               #   pinned), as the engine's copy worker sees it
       "device_memory_bytes": 6.0e8,           # the device budget every mode ran under
+      "device_budget_covers": "all",          # optional: "all" (weights + KV + buffers) or
+                                              #   "kv" (the engine's device_kv_bytes: weights
+                                              #   come on top); a bench file whose settings'
+                                              #   device_kv_bytes equals the budget is "kv"
       "host_memory_bytes": 1.6e10,            # optional; default unbounded
       "target": {"name": "tiny-target", "num_layers": 8,
                  "kv_bytes_per_token": 16384, "weight_bytes": 2.4e8},
@@ -45,6 +49,10 @@ The bench writes one JSON object. The simulator reads two top-level keys; anythi
     }                                         # accepted_counts[k]: verification rounds in which
                                               #   k of q drafts were accepted (or "alpha": 0.7)
 
+``"engine"`` may also carry the scheduler's ``max_prefill_tokens``, ``block_size`` and
+``max_num_seqs`` (the step replay reads them; else the top-level ``"settings"``, else 1024, 128,
+64).
+
 ``"modes"`` -- what the bench measured, per mode run (any subset of the five)::
 
     {"offload": {"output_tokens_per_s": 41.0,   # required: output tokens / wall time
@@ -52,12 +60,19 @@ The bench writes one JSON object. The simulator reads two top-level keys; anythi
                  "link_utilisation": 0.93,       # optional: link busy / wall time
                  "mean_round_s": 0.085,          # optional
                  "max_concurrency": 9}, ...}
+
+With per-step samples (as ``specstream bench`` writes them) the prediction is the step replay of
+``specstream.sim.replay``, which also reads, per mode: ``"rounds"`` (a list of decode steps, each
+``{"wall_s", "link_s", "compute_s", "draft_s", "query_tokens", "context_tokens", "num_seqs",
+"prefill_tokens"}``), ``"prefill_only_time_s"`` (total wall time of steps that only prefilled),
+``"acceptance_rate"`` and ``"mean_accepted_len"``.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -109,9 +124,12 @@ def scenario_from_calibration(cal: dict[str, Any]) -> Scenario:
     """The bench's run as a Scenario whose costs are the measured ones."""
     t, d = cal["target"], cal["draft"]
     prefill = cal.get("prefill_time", {})
+    budget = float(cal["device_memory_bytes"])
+    if cal.get("device_budget_covers", "all") == "kv":  # the simulator's budget holds weights
+        budget += float(t.get("weight_bytes", 0)) + float(d.get("weight_bytes", 0))
     costs = FittedCosts(
         link_bw=float(cal["link_bytes_per_s"]),
-        device_budget_bytes=float(cal["device_memory_bytes"]),
+        device_budget_bytes=budget,
         host_budget_bytes=float(cal.get("host_memory_bytes") or 1e18),
         num_layers=(int(t["num_layers"]), int(d["num_layers"])),
         kv_per_token=(float(t["kv_bytes_per_token"]), float(d["kv_bytes_per_token"])),
@@ -141,14 +159,40 @@ def load_bench(path: str | Path) -> tuple[Scenario, dict[str, dict[str, float]]]
         data = json.load(f)
     if "calibration" not in data:
         raise ValueError(f"{path}: no top-level 'calibration' key (see calibrate.py)")
-    return scenario_from_calibration(data["calibration"]), dict(data.get("modes", {}))
+    cal = dict(data["calibration"])
+    kv_budget = data.get("settings", {}).get("device_kv_bytes")
+    if "device_budget_covers" not in cal and kv_budget == cal.get("device_memory_bytes"):
+        cal["device_budget_covers"] = "kv"
+    return scenario_from_calibration(cal), dict(data.get("modes", {}))
 
 
-def predict(path: str | Path) -> tuple[Scenario, list[ModeResult], dict[str, dict[str, float]]]:
-    """Simulate every mode the bench measured (all five if it lists none)."""
+def predict(path: str | Path, model: str = "auto", costs_from: str | Path | None = None,
+            ) -> tuple[Scenario, list[ModeResult], dict[str, dict[str, float]]]:
+    """Predict every mode the bench measured (all five if it lists none).
+
+    ``model``: "replay" replays the engine's scheduler step by step for the bench's workload
+    (``specstream.sim.replay``; needs the per-step samples ``modes[*].rounds``), "pipeline"
+    runs the steady-state round pipeline of the datacenter model, "auto" replays when the
+    samples are there. ``costs_from``: another bench JSON whose measured steps cost the replay
+    (an out-of-sample check: e.g. costs from one link setting, workload and link of this one).
+    """
     scenario, measured = load_bench(path)
     modes = [m for m in MODES if m in measured] or list(MODES)
-    return scenario, simulate(scenario, modes), measured
+    with Path(path).open() as f:
+        data = json.load(f)
+    has_steps = any(m.get("rounds") for m in data.get("modes", {}).values())
+    if model == "pipeline" or (model == "auto" and not has_steps):
+        return scenario, simulate(scenario, modes), measured
+    if not has_steps:
+        raise ValueError(f"{path}: no per-step samples (modes[*].rounds) to replay")
+    from specstream.sim.replay import replay_mean, setups
+
+    runs = setups(data)
+    if costs_from is not None:
+        with Path(costs_from).open() as f:
+            other = setups(json.load(f))
+        runs = {m: replace(s, cost=other[m].cost) for m, s in runs.items() if m in other}
+    return scenario, [replay_mean(runs[m]) for m in modes if m in runs], measured
 
 
 def relative_errors(results: Sequence[ModeResult],
@@ -174,7 +218,33 @@ def comparison_table(results: Sequence[ModeResult],
         err = f"{errors[r.mode]:+.1%}" if r.mode in errors else "-"
         mlu = f"{m['link_utilisation']:.0%}" if "link_utilisation" in m else "-"
         mtpot = f"{m['tpot_s'] * 1e3:.1f}" if "tpot_s" in m else "-"
-        lines.append(f"| {r.mode} | {r.throughput:.2f} | {m.get('output_tokens_per_s', '-')} "
+        got = m.get("output_tokens_per_s")
+        got_s = f"{float(got):.2f}" if got is not None else "-"
+        lines.append(f"| {r.mode} | {r.throughput:.2f} | {got_s} "
                      f"| {err} | {r.link_utilisation:.0%} | {mlu} | {r.tpot_s * 1e3:.1f} "
                      f"| {mtpot} |")
+    return "\n".join(lines)
+
+
+def error_summary(paths: Sequence[str | Path],
+                  costs_from: Sequence[str | Path | None] | None = None) -> str:
+    """Markdown: per bench file and mode, measured tok/s and the relative error of the step
+    replay, of the replay costed from another file (``costs_from[i]``, out of sample) and of
+    the steady-state round pipeline ("does not fit": its memory model admits no request)."""
+    lines = ["| bench file | mode | measured tok/s | replay | replay, costs from | "
+             "round pipeline |", "|" + " --- |" * 6]
+    for i, path in enumerate(paths):
+        other = costs_from[i] if costs_from else None
+        _, replayed, measured = predict(path, "replay")
+        crossed = relative_errors(predict(path, "replay", other)[1], measured) if other else {}
+        pipe = predict(path, "pipeline")[1]
+        piped = {m: f"{e:+.1%}" for m, e in relative_errors(pipe, measured).items()}
+        piped.update({r.mode: "does not fit" for r in pipe if not r.feasible})
+        errs = relative_errors(replayed, measured)
+        src = Path(other).name if other else "-"
+        for r in replayed:
+            cross = f"{crossed[r.mode]:+.1%} ({src})" if r.mode in crossed else "-"
+            lines.append(f"| {Path(path).name} | {r.mode} | "
+                         f"{float(measured[r.mode]['output_tokens_per_s']):.2f} | "
+                         f"{errs[r.mode]:+.1%} | {cross} | {piped.get(r.mode, '-')} |")
     return "\n".join(lines)

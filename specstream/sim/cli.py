@@ -74,6 +74,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     o.add_argument("--json", metavar="PATH", help="write results as JSON")
     o.add_argument("--calibrate", metavar="BENCH_JSON",
                    help="predict the modes of a `specstream bench` JSON; print vs measured")
+    o.add_argument("--calibration-model", choices=("auto", "replay", "pipeline"),
+                   default="auto",
+                   help="with --calibrate: replay the engine's steps (needs per-step samples; "
+                   "auto = when present) or run the steady-state round pipeline")
+    o.add_argument("--costs-from", metavar="BENCH_JSON",
+                   help="with --calibrate (replay): cost the steps with another run's "
+                   "measurements (out-of-sample check)")
     o.add_argument("--max-error", type=float,
                    help="with --calibrate: exit 1 if any |relative error| exceeds this")
     o.add_argument("--paper-table", action="store_true",
@@ -112,13 +119,37 @@ def _scenario(args: argparse.Namespace) -> Scenario:
 def _calibrate(args: argparse.Namespace) -> int:
     from specstream.sim.calibrate import comparison_table, predict, relative_errors
 
-    scenario, results, measured = predict(args.calibrate)
+    scenario, results, measured = predict(args.calibrate, args.calibration_model,
+                                          args.costs_from)
     print(describe(scenario))
     costs = scenario.costs
-    for name, fit in zip(("verify", "draft step"), getattr(costs, "forward", ()), strict=False):
-        print(f"  fitted {name} time: {fit}")
     print(f"  link {costs.link_bw / 1e9:.2f} GB/s, device budget "
-          f"{costs.device_budget_bytes / 1e9:.2f} GB\n")
+          f"{costs.device_budget_bytes / 1e9:.2f} GB")
+    if results and results[0].round is None:  # the engine replay
+        import json
+
+        from specstream.sim.replay import setups
+
+        src = args.costs_from or args.calibrate
+        print("  prediction: step-level replay of the engine's scheduler "
+              f"(specstream/sim/replay.py), steps costed from {src}:")
+        with open(src) as f:
+            fitted = setups(json.load(f))
+        with open(args.calibrate) as f:
+            own = setups(json.load(f))
+        for mode, s in own.items():
+            c = fitted[mode].cost if mode in fitted else s.cost
+            print(f"    {mode}: {s.concurrency} admitted, {s.notes['steps_decode']:.0f} decode "
+                  f"+ {s.notes['steps_prefill_only']:.0f} prefill-only steps; step compute = "
+                  f"{c.coef[0] * 1e3:.1f} ms + {c.coef[1] * 1e3:.2f} ms/request + "
+                  f"{c.coef[2] * 1e9:.0f} ns/context token + {c.coef[4] * 1e6:.0f} us/prefill "
+                  f"token + {c.coef[5] * 1e12:.0f} ps/(prefill x context token); link hides "
+                  f"behind {c.overlap:.0%} of it")
+    else:
+        for name, fit in zip(("verify", "draft step"), getattr(costs, "forward", ()),
+                             strict=False):
+            print(f"  fitted {name} time: {fit}")
+    print()
     print(comparison_table(results, measured))
     errors = relative_errors(results, measured)
     if args.max_error is not None and any(abs(e) > args.max_error for e in errors.values()):
