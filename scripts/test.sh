@@ -4,6 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 ruff check .
+# type-check the engine core (scheduler, executor, KV manager, config, offline API)
+mypy specstream/engine specstream/kvcache specstream/config.py specstream/llm.py
 set +e
 python3 -m pytest -q -p no:cacheprovider "$@"
 rc=$?

@@ -72,18 +72,17 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
-        if not prompts:
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], int)
+        )
+        items: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
+        if not items:
             return []
         params = sampling_params or SamplingParams()
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
-        encoded = [self._encode(p) for p in prompts]  # validate all before adding any
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(items)
+        if len(plist) != len(items):
+            raise ValueError(f"{len(plist)} sampling params for {len(items)} prompts")
+        encoded = [self._encode(p) for p in items]  # validate all before adding any
         ids: list[list[str]] = []
         added: list[str] = []
         try:
@@ -100,7 +99,7 @@ class LLM:
             for rid in added:
                 self.engine.abort_request(rid)
             raise
-        return self._run(prompts, encoded, ids, use_tqdm)
+        return self._run(items, encoded, ids, use_tqdm)
 
     def _run(self, prompts: list[Any], encoded: list[list[int]], ids: list[list[str]],
              use_tqdm: bool) -> list[RequestOutput]:

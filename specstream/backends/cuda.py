@@ -97,7 +97,8 @@ class CudaBackend(TransferBackend):
         self._device = (
             dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
         )
-        low, high = torch.cuda.Stream.priority_range()  # e.g. (0, -5): lower = higher priority
+        # e.g. (0, -5): lower = higher priority (a static method the stubs call an instance one)
+        low, high = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
         self.h2d_stream = torch.cuda.Stream(self._device, priority=high)
         self.d2h_stream = torch.cuda.Stream(self._device, priority=low)
         self._verify_stream = torch.cuda.Stream(self._device, priority=high)

@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -41,6 +42,10 @@ def make_source(
     name: str, store: KVStore, chunk_tokens: int, staging_buffers: int
 ) -> HistorySource:
     return _SOURCES[name](store, chunk_tokens, staging_buffers)
+
+
+def _all_done(handles: tuple[TransferHandle, ...]) -> bool:
+    return all(h.done() for h in handles)
 
 
 def _wait_all(handles: list[TransferHandle]) -> TransferError | None:
@@ -202,7 +207,7 @@ class ChunkStream(HistorySource):
         while self.pending and (self.pending[0].layer, self.pending[0].index) == (layer, index):
             job = self.pending.popleft()
             if self.gap is not None:
-                self.gap.fill(lambda j=job: all(h.done() for h in j.handles), job.expected_end)
+                self.gap.fill(partial(_all_done, job.handles), job.expected_end)
             t0 = time.perf_counter()
             err = _wait_all(list(job.handles))
             self.wait_s += time.perf_counter() - t0

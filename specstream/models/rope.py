@@ -62,7 +62,7 @@ def _yarn(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor,
         return (dim * math.log(orig / (num_rot * 2 * math.pi))) / (2 * math.log(rope.theta))
 
     low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    high: float = min(math.ceil(correction_dim(beta_slow)), dim - 1)
     if low == high:
         high += 0.001
     idx = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
