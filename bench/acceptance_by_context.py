@@ -62,7 +62,7 @@ def main() -> None:
         pattern = re.compile(rf"{re.escape(SECTION)}.*?(?=\n## |\Z)", re.S)
         md = pattern.sub(table, md) if pattern.search(md) else md.rstrip() + "\n\n" + table
         md_path.write_text(md)
-        print(f"updated {md_path}")
+        print("updated the model card (specstream/assets/MODEL_CARD.md)")
 
 
 if __name__ == "__main__":
