@@ -110,8 +110,7 @@ def run_mode(
         "link_bytes_h2d": m["link_bytes_h2d"] - base["link_bytes_h2d"],
         "link_bytes_d2h": m["link_bytes_d2h"] - base["link_bytes_d2h"],
         "link_busy_s": m["link_busy_s"] - base["link_busy_s"],
-        "prefill_only_time_s": m.get("prefill_only_time_s", 0.0)
-        - base.get("prefill_only_time_s", 0.0),
+        "prefill_only_time_s": m["prefill_only_time_s"] - base["prefill_only_time_s"],
         # the simulator's names for the same measurements (seconds, British spelling)
         "ttft_s": _pct(ttft, 50) / 1e3, "tpot_s": _pct(tpot, 50) / 1e3,
         "link_utilisation": decode_link / decode_t if decode_t else 0.0,

@@ -86,7 +86,8 @@ class LLMEngine:
             "steps": 0, "decode_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
             "proposed_tokens": 0, "accepted_tokens": 0, "rounds": 0, "link_bytes_h2d": 0,
             "link_bytes_d2h": 0, "link_busy_s": 0.0, "compute_s": 0.0, "draft_s": 0.0,
-            "decode_time_s": 0.0, "decode_link_busy_s": 0.0,
+            "decode_time_s": 0.0, "decode_link_busy_s": 0.0, "prefill_tokens": 0,
+            "prefill_only_time_s": 0.0,
         }
         self.rounds: list[RoundStats] = []
 
@@ -221,9 +222,9 @@ class LLMEngine:
         c["draft_s"] += result.draft_s
         decode = any(s.sample and not _is_prefill(s) for s in plan.seqs)
         prefill_tokens = sum(len(s.token_ids) for s in plan.seqs if _is_prefill(s))
-        c["prefill_tokens"] = c.get("prefill_tokens", 0) + prefill_tokens
+        c["prefill_tokens"] += prefill_tokens
         if prefill_tokens and not decode:
-            c["prefill_only_time_s"] = c.get("prefill_only_time_s", 0.0) + wall
+            c["prefill_only_time_s"] += wall
         if decode:
             c["decode_steps"] += 1
             c["decode_time_s"] += wall

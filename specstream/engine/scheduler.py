@@ -223,10 +223,8 @@ class Scheduler:
             ):
                 continue  # its drafts are being made, or the other group verifies now
             host_tokens = self.kv.host_tokens(rid) if rid in self.kv.seqs else 0
-            if history_budget is not None and host_tokens:
-                if host_tokens > history_budget:
-                    continue  # waits for a step with room to restore its history
-                history_budget -= host_tokens
+            if history_budget is not None and host_tokens > history_budget:
+                continue  # waits for a step with room to restore its history
             if req.in_prefill:
                 todo = req.num_tokens - 1 - req.num_computed_tokens
                 take = min(todo + 1, prefill_budget, self._prefill_room(req))
@@ -240,6 +238,8 @@ class Scheduler:
                 tokens = [req.all_token_ids[-1]]
                 drafts = list(req.draft_token_ids)
                 sample = True
+            if history_budget is not None:
+                history_budget -= host_tokens
             inputs = tuple(tokens) + tuple(drafts)
             self.kv.allocate(rid, len(inputs))
             seq = self.kv.seqs[rid]
