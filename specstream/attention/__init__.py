@@ -5,6 +5,7 @@ from __future__ import annotations
 from specstream.attention.reference import causal_mask, full_attention, gqa_group
 from specstream.attention.streamed import (
     AttentionAccumulator,
+    ChunkedAttention,
     merge_partials,
     partial_attention,
     streamed_attention,
@@ -12,6 +13,7 @@ from specstream.attention.streamed import (
 
 __all__ = [
     "AttentionAccumulator",
+    "ChunkedAttention",
     "causal_mask",
     "full_attention",
     "gqa_group",

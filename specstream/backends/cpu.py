@@ -2,9 +2,14 @@
 
 The "device" is ordinary CPU memory. One copy worker thread plays the DMA engine: it takes jobs
 from a priority queue (every queued h2d restore before any d2h write-back, FIFO within a
-direction), runs `dst.copy_(src)` and, when `link_gbps` is set, sleeps until the job has taken
-`nbytes / (link_gbps * 1e9)` seconds in total, so that link time relative to compute time looks
-like a PCIe link (e.g. ~25 GB/s for PCIe 4 x16) even though the copy itself is a memcpy.
+direction), runs `dst.copy_(src)` and, when `link_gbps` is set, paces the jobs on a link clock: a job starts
+on the link when it was queued or when the link finished the previous job, whichever is later,
+and lands `nbytes / (link_gbps * 1e9)` seconds after that; the worker sleeps until then. So link
+time relative to compute time looks like a PCIe link (e.g. ~25 GB/s for PCIe 4 x16) even though
+the copy itself is a memcpy. The clock is what a DMA engine does and a Python thread does not:
+the worker wakes late when the compute thread holds the interpreter lock, but a late wake-up
+does not push back the jobs queued behind it (it only delays when the waiter sees the copy),
+and the busy intervals recorded are the link clock's.
 Completion is a `threading.Event`; an exception in a job is captured and re-raised by `wait()`
 as `TransferError`, and the worker goes on with the next job.
 """
@@ -72,6 +77,7 @@ class _Job:
     direction: str
     handle: CpuHandle
     fail: bool  # fault injection decided at submit time
+    submitted: float = 0.0  # perf_counter() when queued
 
 
 @register_backend("cpu")
@@ -83,6 +89,7 @@ class CpuBackend(TransferBackend):
         self._queue: queue.PriorityQueue[tuple[int, int, _Job | None]] = queue.PriorityQueue()
         self._seq = itertools.count()
         self._closed = False
+        self._link_free_at = 0.0  # link clock: when the link finishes the last job (throttled)
         self._worker = threading.Thread(target=self._run, name="specstream-copy", daemon=True)
         self._worker.start()
 
@@ -113,7 +120,8 @@ class CpuBackend(TransferBackend):
         if self._closed:
             raise RuntimeError("CpuBackend is closed")
         handle = CpuHandle(tag)
-        job = _Job(pairs, direction, handle, fail=self._should_fail(tag))
+        job = _Job(pairs, direction, handle, fail=self._should_fail(tag),
+                   submitted=time.perf_counter())
         self._queue.put((_PRIORITY[direction], next(self._seq), job))
         return handle
 
@@ -137,11 +145,15 @@ class CpuBackend(TransferBackend):
                 )
             for dst, src in job.pairs:
                 dst.copy_(src)
-            if self.link_gbps is not None:
-                remaining = start + nbytes / (self.link_gbps * 1e9) - time.perf_counter()
+            if self.link_gbps is None:
+                end = time.perf_counter()
+            else:
+                start = max(job.submitted, self._link_free_at)
+                end = self._link_free_at = start + nbytes / (self.link_gbps * 1e9)
+                remaining = end - time.perf_counter()
                 if remaining > 0:
                     time.sleep(remaining)
-            self._record(start, time.perf_counter(), job.direction, nbytes, job.handle.tag)
+            self._record(start, end, job.direction, nbytes, job.handle.tag)
         except BaseException as exc:  # noqa: BLE001  (delivered to the waiter, worker lives on)
             job.handle.error = exc
         finally:

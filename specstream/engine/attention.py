@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specstream.attention import AttentionAccumulator, causal_mask, partial_attention
+from specstream.attention import ChunkedAttention, causal_mask
 from specstream.backends.base import TransferError
 from specstream.engine.history import HistorySource
 from specstream.engine.scheduler import StepPlan
@@ -24,6 +24,7 @@ class StepAttention:
         self.scale = store.cfg.head_dim**-0.5
         bs = store.block_size
         blocks, offsets, self.rows, self.tails = [], [], [], []
+        self.masks: list[torch.Tensor | None] = []
         row = 0
         for s in plan.seqs:
             n = len(s.token_ids)
@@ -34,13 +35,17 @@ class StepAttention:
             self.rows.append((row, row + n))
             b = s.device_blocks
             consecutive = all(b[j + 1] == b[j] + 1 for j in range(len(b) - 1))
-            self.tails.append((torch.tensor(b, dtype=torch.long), s.start_pos + n - s.host_tokens,
+            tail_len = s.start_pos + n - s.host_tokens
+            self.tails.append((torch.tensor(b, dtype=torch.long), tail_len,
                                b[0] if consecutive and b else -1))
+            self.masks.append(causal_mask(n, tail_len) if n > 1 else None)  # one query: no mask
             row += n
         device = store.device.device
         self.slot_blocks = torch.tensor(blocks, dtype=torch.long, device=device)
         self.slot_offsets = torch.tensor(offsets, dtype=torch.long, device=device)
         self.tails = [(b.to(device), n, first) for b, n, first in self.tails]
+        self.masks = [m if m is None else m.to(device) for m in self.masks]
+        self.num_kv_heads = store.cfg.num_kv_heads
         self.failed: dict[str, str] = {}
 
     def attend(
@@ -54,11 +59,10 @@ class StepAttention:
         out = torch.empty_like(q)
         for i, seq in enumerate(self.plan.seqs):
             lo, hi = self.rows[i]
-            qi = q[lo:hi]
-            acc = AttentionAccumulator()
+            att = ChunkedAttention(q[lo:hi], self.num_kv_heads, self.scale)
             try:
                 for hk, hv in self.history.pieces(layer, i):
-                    acc.add(*partial_attention(qi, hk, hv, self.scale))
+                    att.add(hk, hv)
             except TransferError as exc:
                 self.failed.setdefault(seq.request_id, f"KV restore failed: {exc}")
             if seq.request_id in self.failed:
@@ -66,7 +70,6 @@ class StepAttention:
                 continue
             blocks, tail_len, first = self.tails[i]
             tk, tv = self.store.gather(layer, blocks, tail_len, first)
-            mask = causal_mask(hi - lo, tail_len, device=q.device)
-            acc.add(*partial_attention(qi, tk, tv, self.scale, mask))
-            out[lo:hi] = acc.result(q.dtype)
+            att.add(tk, tv, self.masks[i])
+            out[lo:hi] = att.result(q.dtype)
         return out

@@ -11,11 +11,9 @@ Cache policies:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-
 import torch
 
-from specstream.attention import causal_mask, partial_attention
+from specstream.attention import ChunkedAttention, causal_mask
 from specstream.models.decoder import CausalLM
 from specstream.sampling import logits_to_probs, make_generator, sample
 from specstream.spec.proposer import (
@@ -27,33 +25,60 @@ from specstream.spec.proposer import (
 )
 
 
-@dataclass
 class _SeqCache:
-    k: list[torch.Tensor] = field(default_factory=list)  # per layer [n, num_kv_heads, head_dim]
-    v: list[torch.Tensor] = field(default_factory=list)
-    num_tokens: int = 0  # request tokens processed (evicted ones included)
-    generator: torch.Generator | None = None
+    """One request's draft KV: per layer a preallocated `[capacity, kv, D]` buffer, filled to
+    ``length``. New tokens are written in place (no concatenation per step); the window policy
+    evicts in batches, so a step attends over between ``window`` and ``window + slack`` recent
+    tokens (plus the sinks)."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.length = 0  # cached entries (every layer holds the same number)
+        self.num_tokens = 0  # request tokens processed (evicted ones included)
+        self.generator = generator
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, min_capacity: int) -> int:
+        """Write ``k``/``v`` of the new tokens after the cached ones; returns the new length."""
+        n, new = self.length, k.shape[0]
+        if len(self.k) <= layer:
+            shape = (max(min_capacity, n + new), *k.shape[1:])
+            self.k.append(k.new_empty(shape))
+            self.v.append(v.new_empty(shape))
+        if n + new > self.k[layer].shape[0]:
+            grow = max(2 * self.k[layer].shape[0], n + new)
+            for buf in (self.k, self.v):
+                bigger = buf[layer].new_empty((grow, *buf[layer].shape[1:]))
+                bigger[:n] = buf[layer][:n]
+                buf[layer] = bigger
+        self.k[layer][n : n + new] = k
+        self.v[layer][n : n + new] = v
+        return n + new
+
+    def evict(self, keep_head: int, keep_recent: int) -> None:
+        """Keep the first ``keep_head`` and the last ``keep_recent`` entries of every layer."""
+        n = self.length
+        for buf in (*self.k, *self.v):
+            buf[keep_head : keep_head + keep_recent] = buf[n - keep_recent : n].clone()
+        self.length = keep_head + keep_recent
 
 
 class _DraftAttention:
     """AttentionContext over per-request contiguous draft caches (one piece per request)."""
 
-    def __init__(self, caches: list[_SeqCache], rows: list[tuple[int, int]], scale: float):
-        self.caches, self.rows, self.scale = caches, rows, scale
+    def __init__(self, caches: list[_SeqCache], rows: list[tuple[int, int]], scale: float,
+                 capacity: int) -> None:
+        self.caches, self.rows, self.scale, self.capacity = caches, rows, scale, capacity
+        self.masks = [causal_mask(hi - lo, c.length + hi - lo) if hi - lo > 1 else None
+                      for c, (lo, hi) in zip(caches, rows)]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(q)
-        for c, (lo, hi) in zip(self.caches, self.rows):
-            if len(c.k) <= layer:
-                c.k.append(k[lo:hi].clone())
-                c.v.append(v[lo:hi].clone())
-            else:
-                c.k[layer] = torch.cat([c.k[layer], k[lo:hi]])
-                c.v[layer] = torch.cat([c.v[layer], v[lo:hi]])
-            kk, vv = c.k[layer], c.v[layer]
-            mask = causal_mask(hi - lo, kk.shape[0], device=q.device)
-            o, _ = partial_attention(q[lo:hi], kk, vv, self.scale, mask)
-            out[lo:hi] = o.to(q.dtype)
+        for c, (lo, hi), mask in zip(self.caches, self.rows, self.masks):
+            n = c.append(layer, k[lo:hi], v[lo:hi], self.capacity)
+            att = ChunkedAttention(q[lo:hi], k.shape[1], self.scale)
+            att.add(c.k[layer][:n], c.v[layer][:n], mask)
+            out[lo:hi] = att.result(q.dtype)
         return out
 
 
@@ -69,6 +94,11 @@ class DraftModelProposer(Proposer):
             raise ValueError("draft window must exceed the number of draft tokens")
         self.model, self.policy = model, cache
         self.window, self.sinks = window_tokens, sink_tokens
+        # window policy: evict once the window overgrows by this much (one copy per `slack`
+        # tokens instead of one per step)
+        self.slack = 64
+        self.capacity = (sink_tokens + window_tokens + self.slack + 2 * max_draft_tokens
+                         if cache == "window" else 2048)
         self.device = next(model.parameters()).device
         self.caches: dict[str, _SeqCache] = {}
         self.forward_s = 0.0
@@ -83,20 +113,15 @@ class DraftModelProposer(Proposer):
         return [tokens[p] for p in todo], todo
 
     def _evict(self, c: _SeqCache) -> None:
-        if self.policy != "window" or not c.k or c.k[0].shape[0] <= self.sinks + self.window:
-            return
-        for kv in (c.k, c.v):
-            for i, t in enumerate(kv):
-                kv[i] = torch.cat([t[: self.sinks], t[-self.window :]])
+        if self.policy == "window" and c.length > self.sinks + self.window + self.slack:
+            c.evict(self.sinks, self.window)
 
     def rollback(self, request_id: str, num_tokens_kept: int) -> None:
         c = self.caches.get(request_id)
         if c is None or c.num_tokens <= num_tokens_kept:
             return
         drop = c.num_tokens - num_tokens_kept
-        for kv in (c.k, c.v):
-            for i, t in enumerate(kv):
-                kv[i] = t[: max(0, t.shape[0] - drop)]
+        c.length = max(0, c.length - drop)
         c.num_tokens = num_tokens_kept
 
     def free(self, request_id: str) -> None:
@@ -114,9 +139,10 @@ class DraftModelProposer(Proposer):
             row += len(t)
         ids = torch.tensor([x for t in tokens for x in t], dtype=torch.long, device=self.device)
         pos = torch.tensor([x for p in positions for x in p], dtype=torch.long, device=self.device)
-        ctx = _DraftAttention(caches, rows, self.model.config.head_dim**-0.5)
+        ctx = _DraftAttention(caches, rows, self.model.config.head_dim**-0.5, self.capacity)
         hidden = self.model(ids, pos, ctx)
-        for c, p in zip(caches, positions):
+        for c, p, (lo, hi) in zip(caches, positions, rows):
+            c.length += hi - lo
             c.num_tokens = p[-1] + 1 if p else c.num_tokens
             self._evict(c)
         last = torch.tensor([hi - 1 for _, hi in rows], device=self.device)
@@ -146,8 +172,7 @@ class DraftJob(ProposeJob):
             c = proposer.caches.get(r.request_id)
             if c is None:
                 c = proposer.caches[r.request_id] = _SeqCache(
-                    generator=make_generator(r.params, proposer.device)
-                )
+                    make_generator(r.params, proposer.device))
                 if c.generator is not None:  # independent of the target's stream
                     c.generator.manual_seed((r.params.seed or 0) + 0x5EED)
             self.caches.append(c)

@@ -1,0 +1,184 @@
+"""Pieces of the round pipeline: the gap filler's rule, prefill order, the draft's cache, the
+engine's chunked attention, and a deeper staging ring (outputs unchanged)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from specstream import LLM, SamplingParams
+from specstream.attention import ChunkedAttention, causal_mask, full_attention, partial_attention
+from specstream.config import EngineConfig
+from specstream.engine.overlap import GapFiller
+from specstream.engine.request import Request
+from specstream.engine.scheduler import Scheduler
+from specstream.engine.trace import Tracer
+from specstream.kvcache.manager import KVManager, OffloadPolicy
+from specstream.models.loader import load_model
+from specstream.spec.draft import DraftModelProposer
+from specstream.spec.proposer import ProposeRequest
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+class _SleepJob:
+    """A draft job whose steps each take ``step_s`` seconds."""
+
+    def __init__(self, steps: int, step_s: float) -> None:
+        self.left, self.step_s, self.ran = steps, step_s, 0
+
+    @property
+    def done(self) -> bool:
+        return self.left == 0
+
+    def step(self) -> bool:
+        time.sleep(self.step_s)
+        self.left -= 1
+        self.ran += 1
+        return self.left > 0
+
+
+def test_gap_filler_runs_a_step_only_while_the_link_stays_busy() -> None:
+    job = _SleepJob(steps=4, step_s=0.004)
+    gap = GapFiller(job, Tracer(False), budget=0.0)  # type: ignore[arg-type]
+    gap.step_ema = 0.004
+    # the issued copies keep the link busy 20 ms: several 4 ms steps fit, none beyond
+    until = time.perf_counter() + 0.020
+    gap.fill(lambda: False, until)
+    assert 1 <= job.ran <= 4
+    assert time.perf_counter() <= until + 0.004  # no step started that could not end in time
+    assert gap.overrun_s < 0.004
+    # the link is done in 1 ms: a 4 ms step would leave it idle, so none runs
+    ran = job.ran
+    if not job.done:
+        gap.fill(lambda: False, time.perf_counter() + 0.001)
+        assert job.ran == ran
+    # a landed chunk ends the gap at once
+    job2 = _SleepJob(steps=3, step_s=0.001)
+    gap2 = GapFiller(job2, Tracer(False))  # type: ignore[arg-type]
+    gap2.fill(lambda: True, time.perf_counter() + 1.0)
+    assert job2.ran == 0
+    assert gap2.finish() >= 0.003 and job2.done
+
+
+def test_gap_filler_counts_link_idle_time_against_its_budget() -> None:
+    job = _SleepJob(steps=3, step_s=0.01)
+    gap = GapFiller(job, Tracer(False), budget=0.01)  # type: ignore[arg-type]
+    gap.start -= 1.0  # a second of verification so far: 10 ms of slack
+    # no estimate yet: the first step runs and outlasts the link's work by ~9 ms; the 1 ms of
+    # slack left cannot cover another 10 ms step
+    gap.fill(lambda: False, time.perf_counter() + 0.001)
+    assert job.ran == 1
+    assert gap.overrun_s == pytest.approx(0.009, abs=0.004)
+
+
+def test_prefill_budget_goes_to_the_oldest_prompt_first() -> None:
+    cfg = EngineConfig(mode="resident", block_size=16, max_prefill_tokens=64)
+    kv = KVManager(16, 256, 0, OffloadPolicy(offload=False))
+    sched = Scheduler(cfg, kv)
+    params = SamplingParams(max_tokens=4)
+    for i in range(3):
+        sched.add(Request(str(i), list(range(1, 151)), params))
+    first_tokens = []
+    for _ in range(2):  # the rotation starts elsewhere each step; prefill order does not
+        plan = sched.schedule()
+        assert [s.request_id for s in plan.seqs] == ["0"]
+        first_tokens.append(plan.seqs[0].start_pos)
+        req = sched.requests["0"]
+        req.num_computed_tokens += len(plan.seqs[0].token_ids)
+        kv.commit("0", req.num_computed_tokens)
+    assert first_tokens == [0, 64]
+    plan = sched.schedule()  # request 0 has 22 tokens left: the rest of the budget is 1's
+    assert [(s.request_id, len(s.token_ids)) for s in plan.seqs] == [("0", 22), ("1", 42)]
+
+
+def test_chunked_attention_lse_and_any_order() -> None:
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(5, 8, 16, generator=g)
+    k = torch.randn(300, 2, 16, generator=g)
+    v = torch.randn(300, 2, 16, generator=g)
+    mask = causal_mask(5, 300)
+    att = ChunkedAttention(q, 2, 0.3)
+    for lo in (250, 0, 100, 37):  # arrival order scrambled; the masked piece comes first
+        hi = {250: 300, 0: 37, 100: 250, 37: 100}[lo]
+        att.add(k[lo:hi], v[lo:hi], mask[:, lo:hi])
+    ref = full_attention(q, k, v, 0.3, mask)
+    assert ((att.result() - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    _, lse = partial_attention(q, k, v, 0.3, mask)
+    assert torch.allclose(att.lse(), lse, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_attention_empty_rows_then_very_negative_scores() -> None:
+    """A fully masked first chunk must not pin the running max at 0: scores of -200 would
+    underflow to nothing against it."""
+    v = torch.randn(6, 1, 8, generator=torch.Generator().manual_seed(4))
+    q, k = torch.ones(2, 2, 8), torch.full((6, 1, 8), -25.0)  # every score is -200
+    k[4] = -24.0  # one key a little less negative
+    att = ChunkedAttention(q, 1, 1.0)
+    att.add(k[:3], v[:3], torch.zeros(2, 3, dtype=torch.bool))  # nothing attended yet
+    assert torch.isneginf(att.lse()).all()
+    att.add(k[3:], v[3:])
+    ref = full_attention(q, k[3:], v[3:], 1.0)
+    assert torch.isfinite(att.result()).all()
+    assert torch.allclose(att.result(), ref, atol=1e-5)
+    assert torch.allclose(att.lse(), torch.full((2, 2), -192.0 + 0.0), atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def draft_model(tiny_draft):
+    return load_model(tiny_draft, torch.float32, "cpu")
+
+
+def _drafts(proposer: DraftModelProposer, tokens: list[int], rounds: int) -> list[list[int]]:
+    """Draft 3 tokens a round, accept the first one, and go on."""
+    out = []
+    for _ in range(rounds):
+        prop = proposer.propose([ProposeRequest("r", tokens, 3, GREEDY)])[0]
+        out.append(list(prop.token_ids))
+        tokens = tokens + prop.token_ids[:1] + [7]
+        proposer.rollback("r", len(tokens) - 1)
+    return out
+
+
+def test_window_cache_at_least_the_context_drafts_as_the_full_cache(draft_model) -> None:
+    tokens = torch.randint(0, 128, (60,), generator=torch.Generator().manual_seed(0)).tolist()
+    full = _drafts(DraftModelProposer(draft_model, "full"), tokens, 12)
+    window = _drafts(DraftModelProposer(draft_model, "window", window_tokens=512), tokens, 12)
+    assert window == full
+
+
+def test_window_cache_stays_bounded_and_keeps_sinks(draft_model) -> None:
+    p = DraftModelProposer(draft_model, "window", window_tokens=32, sink_tokens=4)
+    tokens = torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    _drafts(p, tokens, 40)
+    c = p.caches["r"]
+    assert 4 + 32 <= c.length <= 4 + 32 + p.slack + 3 + 1
+    assert c.num_tokens > 200  # every token was seen; the old ones were evicted
+    # the sinks are the prompt's first tokens' KV, unchanged by the evictions
+    fresh = DraftModelProposer(draft_model, "full")
+    fresh.propose([ProposeRequest("s", tokens[:4], 1, GREEDY)])
+    assert torch.allclose(c.k[0][:4], fresh.caches["s"].k[0][:4], atol=1e-6)
+
+
+def test_deeper_staging_ring_changes_nothing_but_the_schedule(tiny_target, tiny_draft) -> None:
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (300, 500, 90, 700)]
+    ref = LLM(tiny_target, mode="resident", device_kv_bytes=16 << 20)
+    try:
+        want = [o.outputs[0].token_ids for o in ref.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        ref.close()
+    for buffers in (2, 6):
+        llm = LLM(tiny_target, mode="specstream", draft_model=tiny_draft, num_speculative_tokens=3,
+                  device_kv_bytes=2_000_000, link_gbps=2.0, block_size=16, chunk_tokens=64,
+                  staging_buffers=buffers, resident_tail_tokens=32, offload_after_tokens=64,
+                  max_prefill_tokens=64)
+        try:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+            m = llm.get_metrics()
+        finally:
+            llm.close()
+        assert got == want, buffers
+        assert m["device_kv_peak_bytes"] <= 2_000_000
