@@ -47,6 +47,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device-kv-bytes", type=float, default=64 << 20)
     p.add_argument("-q", "--num-speculative-tokens", type=int, default=4)
     p.add_argument("--chunk-tokens", type=int, default=1024)
+    p.add_argument("--staging-buffers", type=int, default=BenchSettings.staging_buffers,
+                   help="chunk buffers in the staging ring of specstream (default "
+                        f"{BenchSettings.staging_buffers})")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--resident-tail-tokens", type=int, default=256)
     p.add_argument("--offload-after-tokens", type=int, default=512)
@@ -64,6 +67,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         model=args.model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
         device_kv_bytes=int(args.device_kv_bytes), link_gbps=args.link_gbps,
         num_speculative_tokens=args.num_speculative_tokens, chunk_tokens=args.chunk_tokens,
+        staging_buffers=args.staging_buffers,
         block_size=args.block_size,
         resident_tail_tokens=args.resident_tail_tokens,
         offload_after_tokens=args.offload_after_tokens,

@@ -19,7 +19,7 @@ from specstream.engine.trace import Tracer
 from specstream.kvcache.storage import KVStore
 from specstream.models.decoder import CausalLM
 from specstream.spec.acceptance import accept_drafts
-from specstream.spec.proposer import ProposeJob
+from specstream.spec.proposer import Proposal, ProposeJob
 
 
 class _DraftWorker:
@@ -62,6 +62,15 @@ class Executor:
         self.device = store.device.device
         self.drafting = drafting
         self.tracer = tracer or Tracer(False)
+
+    def draft_now(self, job: ProposeJob) -> list[Proposal]:
+        """Run a draft job to the end now, on the draft's device (the second worker in
+        ``parallel`` mode, this thread otherwise), and return its proposals."""
+        if self.drafting == "parallel":
+            _DraftWorker(job, self.tracer).join()
+            return job.result()
+        with self.tracer.span("draft", "draft (sequential)"):
+            return job.result()
 
     def writeback(self, moves: dict[str, list[tuple[int, int]]]) -> dict[str, str]:
         """Copy tail blocks to the host tier and wait for them; returns errors per request."""

@@ -156,7 +156,6 @@ class _Job:
     tag: object
     slot: int = -1
     handles: tuple[TransferHandle, ...] = ()
-    expected_end: float = 0.0  # when the copy should land, from the link-rate estimate
 
 
 @register_source("stream")
@@ -196,9 +195,9 @@ class ChunkStream(HistorySource):
             job.handles = tuple(
                 self.store.restore(job.layer, job.blocks, self.ring[job.slot], job.tag)
             )
+            # when the link should be done with everything issued (from the rate estimate)
             start = max(time.perf_counter(), self._link_free_at)
-            job.expected_end = start + len(job.blocks) * self.chunk_bytes_per_block / self.link_bps
-            self._link_free_at = job.expected_end
+            self._link_free_at = start + len(job.blocks) * self.chunk_bytes_per_block / self.link_bps
             self.pending.append(job)
 
     def pieces(self, layer: int, index: int) -> Iterator[Piece]:
@@ -207,7 +206,7 @@ class ChunkStream(HistorySource):
         while self.pending and (self.pending[0].layer, self.pending[0].index) == (layer, index):
             job = self.pending.popleft()
             if self.gap is not None:
-                self.gap.fill(partial(_all_done, job.handles), job.expected_end)
+                self.gap.fill(partial(_all_done, job.handles), self._link_free_at)
             t0 = time.perf_counter()
             err = _wait_all(list(job.handles))
             self.wait_s += time.perf_counter() - t0

@@ -173,12 +173,11 @@ class LLMEngine:
         self._write_back(moves)
         if result.proposals is not None:
             self._apply_drafts(draft_batch, result.proposals)
-        if self.proposer is not None and not self.overlapped:
+        if self.proposer is not None and (not self.overlapped or plan.draft_after):
             t0 = time.perf_counter()
             batch = self._draft_batch(set())
             if batch:
-                with self.tracer.span("draft", "draft (sequential)"):
-                    self._apply_drafts(batch, self.proposer.propose(batch))
+                self._apply_drafts(batch, self.executor.draft_now(self.proposer.start(batch)))
             result.draft_s += time.perf_counter() - t0
         outputs = [self._output(r) for r in touched]
         for r in touched:  # finished requests are reported once, then forgotten

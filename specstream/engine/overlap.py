@@ -1,10 +1,14 @@
-"""Drafting in the compute gaps that transfers leave, under a verification-slowdown budget.
+"""Drafting in the compute gaps that transfers leave, under a round-slowdown budget.
 
 While verification waits for a chunk still crossing the link, the device's compute is idle; the
-gap filler runs one draft forward (for the *other* group of requests) at a time there. It only
-starts a draft step when the chunk is not expected to land before the step ends, give or take
-the remaining budget: at most ``budget`` (default 5%) of the verification time so far may be
-lost to draft steps that overran a landed chunk.
+gap filler runs one draft forward (for the *other* group of requests) at a time there. A draft
+step is indivisible and may last longer than one chunk's transfer, so what decides whether it is
+free is the link, not the awaited chunk: the step starts only if the copies already issued keep
+the link busy until it ends (``link_busy_until``, from the link-rate estimate), give or take the
+remaining budget. Meanwhile landed chunks simply wait in their staging buffers, and verification
+catches up on them after the step; the deeper the staging ring, the longer the step that fits.
+At most ``budget`` (default 5%) of the verification time so far may be lost to draft steps that
+outlasted the issued copies (link idle, or verification kept waiting at the end of the round).
 """
 
 from __future__ import annotations
@@ -36,17 +40,17 @@ class GapFiller:
         self.tracer.add("draft", "draft step (gap)", t0, t1)
         return t1
 
-    def fill(self, landed: Callable[[], bool], expected_end: float) -> None:
-        """Run draft steps while the awaited chunk (expected at ``expected_end``) is in flight."""
+    def fill(self, landed: Callable[[], bool], link_busy_until: float) -> None:
+        """Run draft steps while the awaited chunk is in flight and the copies issued so far
+        keep the link busy (expected until ``link_busy_until``) for the whole step."""
         while not self.job.done and not landed():
             now = time.perf_counter()
             slack = self.budget * (now - self.start) - self.overrun_s
             est = self.step_ema if self.step_ema is not None else 0.0
-            if now + est > expected_end + slack:
+            if now + est > link_busy_until + slack:
                 return
             end = self._run_step()
-            if landed():
-                self.overrun_s += max(0.0, end - max(expected_end, now))
+            self.overrun_s += max(0.0, end - max(link_busy_until, now))
 
     def finish(self) -> float:
         """Finish the remaining draft steps sequentially; returns the time it took."""

@@ -50,6 +50,11 @@ class SeqWork:
 @dataclass(frozen=True)
 class StepPlan:
     seqs: tuple[SeqWork, ...]
+    # Two-group modes, in a step that carries a prefill chunk: every request with drafts ready
+    # is verified (not one group), and the verified requests get their next drafts right after
+    # the step. The chunk's compute hides the link anyway, so alternating groups would only
+    # halve the decode rounds that ride along with it.
+    draft_after: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -209,13 +214,20 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self._admit()
-        group = self._verify_group()
+        prefilling = self.two_groups and any(r.in_prefill for r in self.running)
+        group = None if prefilling else self._verify_group()
         seqs: list[SeqWork] = []
         prefill_budget = self.config.max_prefill_tokens
         history_budget = self.restore_token_cap
         n = len(self.running)
         order = [self.running[(self._rr + i) % n] for i in range(n)] if n else []
         self._rr += 1
+        # The rotation shares a step between requests fairly; the prefill slots in it go to the
+        # oldest prompts first (FCFS, as vLLM), so the first request finishes its prefill and
+        # starts decoding while the later ones still prefill, instead of all prompts advancing
+        # a chunk at a time and every request decoding only after the last prompt is done.
+        fcfs = iter([r for r in self.running if r.in_prefill])
+        order = [next(fcfs) if r.in_prefill else r for r in order]
         for req in order:
             rid = req.request_id
             if not req.in_prefill and (
@@ -256,7 +268,7 @@ class Scheduler:
                 params=req.params,
                 generator=req.generator,
             ))
-        return StepPlan(tuple(seqs))
+        return StepPlan(tuple(seqs), draft_after=prefilling)
 
     def commit(self, work: SeqWork, req: Request, num_new_tokens: int) -> list[tuple[int, int]]:
         """Record a step's KV for one request (drafts past the accepted ones roll back).
