@@ -24,7 +24,8 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 
 class RecordingBackend(CpuBackend):
-    """CPU backend that logs each h2d copy as ("copy", destination address, after_compute)."""
+    """CPU backend that logs each h2d copy (each gathered row) as ("copy", destination address,
+    after_compute)."""
 
     def __init__(self) -> None:
         super().__init__("cpu")
@@ -43,6 +44,13 @@ class RecordingBackend(CpuBackend):
     ) -> TransferHandle:  # fmt: skip
         self.log.extend(("copy", dst.data_ptr(), after_compute) for dst, _ in pairs)
         return super().h2d_many(pairs, tag, after_compute=after_compute)
+
+    def h2d_gather(
+        self, dst: torch.Tensor, src: torch.Tensor, index: list[int], tag: object = None, *,
+        after_compute: bool = True,
+    ) -> TransferHandle:  # fmt: skip
+        self.log.extend(("copy", dst[j].data_ptr(), after_compute) for j in range(len(index)))
+        return super().h2d_gather(dst, src, index, tag, after_compute=after_compute)
 
 
 def tiny_store(backend: CpuBackend, num_layers: int = 3) -> KVStore:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from functools import partial
 
 import pytest
 import torch
@@ -215,3 +216,16 @@ def test_cuda_round_trip_stats_and_failures() -> None:
     finally:
         backend.close()
         backend.close()
+
+
+def test_h2d_gather_matches_indexing_and_the_per_row_default(cpu: TransferBackend) -> None:
+    """The CPU gather (one index_select into a transposed view) and the base class's per-row
+    copies give the same bytes as plain indexing."""
+    table = torch.randn(10, 2, 4, 3)
+    index = [7, 2, 2, 9]
+    want = table[index]
+    for gather in (cpu.h2d_gather, partial(TransferBackend.h2d_gather, cpu)):
+        dst = torch.zeros(2, 6, 4, 3)  # [2, rows, ...] as a staging buffer; rows 4.. untouched
+        gather(dst.transpose(0, 1), table, index, "g").wait()
+        assert torch.equal(dst.transpose(0, 1)[:4], want)
+        assert torch.equal(dst[:, 4:], torch.zeros(2, 2, 4, 3))

@@ -127,6 +127,18 @@ class TransferBackend(ABC):
         return MultiHandle(tag, [self.h2d(d, s, tag, after_compute=after_compute)
                                  for d, s in pairs])
 
+    def h2d_gather(
+        self, dst: Tensor, src: Tensor, index: list[int], tag: object = None, *,
+        after_compute: bool = True,
+    ) -> TransferHandle:
+        """``dst[j] = src[index[j]]`` for every j (rows of dim 0) as one transfer.
+
+        The default splits each row over ``src``'s second dimension into contiguous copies for
+        ``h2d_many``; a backend whose copy engine can gather (the CPU emulation) overrides it.
+        """
+        pairs = [(dst[j, k], src[i, k]) for j, i in enumerate(index) for k in range(src.shape[1])]
+        return self.h2d_many(pairs, tag, after_compute=after_compute)
+
     def d2h_many(
         self, pairs: list[tuple[Tensor, Tensor]], tag: object = None, *, after_compute: bool = True
     ) -> TransferHandle:

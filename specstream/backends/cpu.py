@@ -2,16 +2,17 @@
 
 The "device" is ordinary CPU memory. One copy worker thread plays the DMA engine: it takes jobs
 from a priority queue (every queued h2d restore before any d2h write-back, FIFO within a
-direction), runs `dst.copy_(src)` and, when `link_gbps` is set, paces the jobs on a link clock: a job starts
-on the link when it was queued or when the link finished the previous job, whichever is later,
-and lands `nbytes / (link_gbps * 1e9)` seconds after that; the worker sleeps until then. So link
-time relative to compute time looks like a PCIe link (e.g. ~25 GB/s for PCIe 4 x16) even though
-the copy itself is a memcpy. The clock is what a DMA engine does and a Python thread does not:
-the worker wakes late when the compute thread holds the interpreter lock, but a late wake-up
-does not push back the jobs queued behind it (it only delays when the waiter sees the copy),
-and the busy intervals recorded are the link clock's.
-Completion is a `threading.Event`; an exception in a job is captured and re-raised by `wait()`
-as `TransferError`, and the worker goes on with the next job.
+direction), runs `dst.copy_(src)` and, when `link_gbps` is set, paces the jobs on a link clock:
+a job starts on the link when it was queued or when the link finished the previous job,
+whichever is later, and lands `nbytes / (link_gbps * 1e9)` seconds after that; the worker sleeps
+until then. So link time relative to compute time looks like a PCIe link (e.g. ~25 GB/s for
+PCIe 4 x16) even though the copy itself is a memcpy. The clock does what a DMA engine does and
+a Python thread does not: the worker wakes late when the compute thread holds the interpreter
+lock, but a late wake-up does not push back the jobs queued behind it (it only delays when the
+waiter sees the copy), and the busy intervals recorded are the link clock's. A restore of
+scattered host blocks is one gather (`h2d_gather`, one index_select) rather than a copy per
+block. Completion is a `threading.Event`; an exception in a job is captured and re-raised by
+`wait()` as `TransferError`, and the worker goes on with the next job.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class _Job:
     handle: CpuHandle
     fail: bool  # fault injection decided at submit time
     submitted: float = 0.0  # perf_counter() when queued
+    gather: tuple[Tensor, Tensor, Tensor] | None = None  # (dst, src, index): one index_select
 
 
 @register_backend("cpu")
@@ -113,15 +115,23 @@ class CpuBackend(TransferBackend):
     ) -> TransferHandle:
         return self._submit(pairs, D2H, tag)
 
+    def h2d_gather(
+        self, dst: Tensor, src: Tensor, index: list[int], tag: object = None, *,
+        after_compute: bool = True,
+    ) -> TransferHandle:
+        idx = torch.tensor(index, dtype=torch.long)
+        return self._submit([], H2D, tag, gather=(dst[: len(index)], src, idx))
+
     def _submit(
-        self, pairs: list[tuple[Tensor, Tensor]], direction: str, tag: object
+        self, pairs: list[tuple[Tensor, Tensor]], direction: str, tag: object,
+        gather: tuple[Tensor, Tensor, Tensor] | None = None,
     ) -> CpuHandle:
         # CPU compute runs synchronously in the caller, so `after_compute` always holds.
         if self._closed:
             raise RuntimeError("CpuBackend is closed")
         handle = CpuHandle(tag)
         job = _Job(pairs, direction, handle, fail=self._should_fail(tag),
-                   submitted=time.perf_counter())
+                   submitted=time.perf_counter(), gather=gather)
         self._queue.put((_PRIORITY[direction], next(self._seq), job))
         return handle
 
@@ -137,6 +147,9 @@ class CpuBackend(TransferBackend):
 
     def _execute(self, job: _Job) -> None:
         nbytes = sum(src.numel() * src.element_size() for _, src in job.pairs)
+        if job.gather is not None:
+            rows = job.gather[0]
+            nbytes += rows.numel() * rows.element_size()
         start = time.perf_counter()
         try:
             if job.fail:
@@ -145,6 +158,9 @@ class CpuBackend(TransferBackend):
                 )
             for dst, src in job.pairs:
                 dst.copy_(src)
+            if job.gather is not None:
+                rows, table, index = job.gather
+                torch.index_select(table, 0, index, out=rows)
             if self.link_gbps is None:
                 end = time.perf_counter()
             else:

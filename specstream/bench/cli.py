@@ -46,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"emulated link bandwidth, GB/s (default {DEFAULT_LINK_GBPS})")
     p.add_argument("--device-kv-bytes", type=float, default=64 << 20)
     p.add_argument("-q", "--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--chunk-tokens", type=int, default=1024)
+    p.add_argument("--chunk-tokens", type=int, default=BenchSettings.chunk_tokens)
     p.add_argument("--staging-buffers", type=int, default=BenchSettings.staging_buffers,
                    help="chunk buffers in the staging ring of specstream (default "
                         f"{BenchSettings.staging_buffers})")
@@ -99,6 +99,9 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
             if b["decode_tokens_per_s"]:
                 out[f"specstream_over_{base}_decode"] = (
                     ss["decode_tokens_per_s"] / b["decode_tokens_per_s"])
+            if b.get("decode_only_tokens_per_s"):
+                out[f"specstream_over_{base}_decode_only"] = (
+                    ss["decode_only_tokens_per_s"] / b["decode_only_tokens_per_s"])
     if "resident" in results:
         out["concurrency_specstream_over_resident"] = (
             ss["max_concurrency"] / max(1, results["resident"]["max_concurrency"]))
@@ -142,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
 def _argv(args: argparse.Namespace) -> list[str]:
     out = []
     for k in ("context_len", "num_requests", "output_len", "link_gbps", "device_kv_bytes",
-              "num_speculative_tokens"):
+              "num_speculative_tokens", "chunk_tokens", "staging_buffers"):
         out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     if args.quick:
         out.append("--quick")

@@ -17,7 +17,7 @@ from specstream.bench.workload import Workload
 LINKS_GBPS = (0.25, 1.0, 4.0)
 CONTEXTS = (2048, 4096)
 # each point is a smaller workload than the single bench, so the sweep fits in ~15 minutes
-SWEEP_REQUESTS, SWEEP_OUTPUT = 4, 48
+SWEEP_REQUESTS, SWEEP_OUTPUT = 4, 96
 
 
 def run_sweep(s: BenchSettings, args: argparse.Namespace, modes: tuple[str, ...]) -> dict:
@@ -33,8 +33,10 @@ def run_sweep(s: BenchSettings, args: argparse.Namespace, modes: tuple[str, ...]
                 points.append({"context_len": ctx, "link_gbps": gbps, "mode": mode,
                                **{k: v for k, v in r.items() if k != "rounds"}})
                 print(f"  {mode:14s} {r['output_tokens_per_s']:7.2f} tok/s  link util "
-                      f"{r['link_utilization']:.2f}  round/floor "
-                      f"{r['round_time_over_floor']:.2f}", flush=True)
+                      f"{r['link_utilization']:.2f} (decode-only rounds "
+                      f"{r['decode_only_link_utilization']:.2f})  round/floor "
+                      f"{r['round_time_over_floor']:.2f} (decode-only "
+                      f"{r['decode_only_round_time_over_floor']:.2f})", flush=True)
     png = Path(args.json).with_suffix(".png") if args.json else Path("bench-sweep.png")
     plot_sweep(points, png)
     print(f"[sweep] wrote {png}")

@@ -197,7 +197,8 @@ class ChunkStream(HistorySource):
             )
             # when the link should be done with everything issued (from the rate estimate)
             start = max(time.perf_counter(), self._link_free_at)
-            self._link_free_at = start + len(job.blocks) * self.chunk_bytes_per_block / self.link_bps
+            nbytes = len(job.blocks) * self.chunk_bytes_per_block
+            self._link_free_at = start + nbytes / self.link_bps
             self.pending.append(job)
 
     def pieces(self, layer: int, index: int) -> Iterator[Piece]:

@@ -234,6 +234,8 @@ class LLMEngine:
                 result.start, wall, busy, compute, result.draft_s, result.wait_s, floor,
                 plan.num_tokens, sum(s.start_pos + len(s.token_ids) for s in plan.seqs),
                 len(plan.seqs), prefill_tokens,
+                sum(len(result.new_tokens.get(s.request_id, ())) for s in plan.seqs
+                    if s.sample and not _is_prefill(s)),
             ))
             self.tracer.add("round", "round", result.start, end)
 
@@ -376,6 +378,7 @@ class RoundStats:
     context_tokens: int = 0  # tokens attended (all requests)
     num_seqs: int = 0
     prefill_tokens: int = 0  # prompt tokens prefilled in the same step (mixed steps)
+    new_tokens: int = 0  # tokens the round's verifications emitted (accepted + bonus)
 
 
 def _is_prefill(s: SeqWork) -> bool:

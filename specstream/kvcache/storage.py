@@ -82,6 +82,5 @@ class KVStore:
         dst: [2, >= len(host_blocks), block_size, num_kv_heads, head_dim]
         """
         assert self.host is not None, "restore without a host tier"
-        copies = [(dst[kv, j], self.host[hb, layer, kv])
-                  for j, hb in enumerate(host_blocks) for kv in (0, 1)]
-        return [self.backend.h2d_many(copies, tag)]
+        rows = dst.transpose(0, 1)  # [blocks, 2, block_size, kv, D]: a view of dst
+        return [self.backend.h2d_gather(rows, self.host[:, layer], list(host_blocks), tag)]

@@ -11,6 +11,7 @@ Cache policies:
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 import torch
 
 from specstream.attention import ChunkedAttention, causal_mask
