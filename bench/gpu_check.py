@@ -313,6 +313,21 @@ def _geometry(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, Any]
     return g
 
 
+class _FusedChunks:
+    """The engine's `ChunkedAttention` interface with every chunk through the fused kernel
+    (`partial_attention_auto`: Triton for unmasked CUDA chunks) and merged by
+    `AttentionAccumulator`."""
+
+    def __init__(self, q: torch.Tensor, num_kv_heads: int, scale: float) -> None:
+        self.q, self.scale, self.acc = q, scale, AttentionAccumulator()
+
+    def add(self, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        self.acc.add(*tp.partial_attention_auto(self.q, k, v, self.scale, mask))
+
+    def result(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.acc.result(dtype or self.q.dtype)
+
+
 def _run_mode(mode: str, target: Path, draft: Path, g: dict[str, Any],
               args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     """Prefill every request, then time decode steps only (counter deltas over decode).
@@ -324,12 +339,12 @@ def _run_mode(mode: str, target: Path, draft: Path, g: dict[str, Any],
     if mode.endswith("+triton"):
         import specstream.engine.attention as engine_attention
 
-        saved = engine_attention.partial_attention
-        engine_attention.partial_attention = tp.partial_attention_auto  # type: ignore[assignment]
+        saved = engine_attention.ChunkedAttention
+        engine_attention.ChunkedAttention = _FusedChunks  # type: ignore[assignment,misc]
         try:
             return _run_mode(mode.removesuffix("+triton"), target, draft, g, args, deadline)
         finally:
-            engine_attention.partial_attention = saved
+            engine_attention.ChunkedAttention = saved  # type: ignore[misc]
     from specstream import LLM, SamplingParams
     from specstream.config import MODES
 

@@ -211,20 +211,24 @@ def test_calibration_replays_engine_steps_of_a_real_bench_run() -> None:
     # admission as the engine's reservations allow: resident holds whole requests, restore
     # modes keep half the budget for restores, specstream only the staging chunks
     assert {m: engine_concurrency(m, cal, 128, 1024) for m in runs} == {
-        "resident": 4, "offload": 5, "offload-spec": 5, "specstream": 12, "parallel-spec": 5}
-    # the replay's schedule is the engine's: same number of decode steps and prefill chunks
+        "resident": 4, "offload": 5, "offload-spec": 5, "specstream": 10, "parallel-spec": 5}
+    # the replay's schedule is the engine's: about the same number of decode steps (the replay
+    # accepts drafts at the run's mean rate, the engine at each request's own, so six requests
+    # of 48 tokens finish some steps apart) and exactly the same prefill chunks
     for mode, s in runs.items():
         measured = data["modes"][mode]["rounds"]
-        assert s.notes["steps_decode"] == pytest.approx(len(measured), rel=0.1)
+        assert s.notes["steps_decode"] == pytest.approx(len(measured), rel=0.15)
         steps: list[tuple[str, list[float]]] = []
         replay(s, steps)
         prefill = sum(row[4] for _, row in steps)
         assert prefill == sum(cal["workload"]["context_lengths"])
         assert 0 <= s.cost.overlap <= 1
-    # two groups: a specstream step verifies half of the running requests
+    # two groups: a specstream decode step verifies half of the six requests; a step that
+    # carries a prefill chunk verifies every request with drafts (five decode beside the sixth)
     steps = []
     replay(runs["specstream"], steps)
-    assert max(row[1] for kind, row in steps if kind == "decode") == 3
+    assert max(row[1] for kind, row in steps if kind == "decode" and not row[4]) == 3
+    assert max(row[1] for kind, row in steps if kind == "decode" and row[4]) == 5
     _, results, measured = predict(BENCH_STEPS)
     errors = relative_errors(results, measured)
     assert set(errors) == set(measured)

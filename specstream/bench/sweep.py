@@ -16,7 +16,7 @@ from specstream.bench.workload import Workload
 
 LINKS_GBPS = (0.25, 1.0, 4.0)
 CONTEXTS = (2048, 4096)
-# each point is a smaller workload than the single bench, so the sweep fits in ~15 minutes
+# each point is a smaller workload than the single bench, so the sweep fits in ~10 minutes
 SWEEP_REQUESTS, SWEEP_OUTPUT = 4, 96
 
 

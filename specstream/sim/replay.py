@@ -2,16 +2,18 @@
 
 ``specstream bench`` on one CPU thread is not in the round pipeline's steady state: every request
 arrives at t=0, prompts are prefilled in chunks of at most ``max_prefill_tokens`` per step (the
-budget shared by all requests, round-robin), and decode rounds of the already-prefilled requests
-ride in the same steps. This module replays
-what ``specstream.engine.scheduler`` does, step by step:
+budget shared by all requests, oldest prompt first), and decode rounds of the already-prefilled
+requests ride in the same steps. This module replays what ``specstream.engine.scheduler`` does,
+step by step:
 
 - admission: FIFO, as many requests as the engine's block reservations admit
   (``engine_concurrency``), a request replaced when one finishes;
-- one step = the prefill chunks it gets (round-robin order) + one verification of each decoding
-  request; ``restore`` modes verify only as many requests as the restore share holds
-  (``restore_token_cap``); ``specstream`` and ``parallel-spec`` verify one of two groups per step
-  while the other drafts, so a request verifies every other step;
+- one step = the prefill chunks it gets (the budget goes to the oldest prompt first) + one
+  verification of each decoding request; ``restore`` modes verify only as many requests as the
+  restore share holds (``restore_token_cap``); ``specstream`` and ``parallel-spec`` verify one of
+  two groups per step while the other drafts, so a request verifies every other step, except in
+  steps that carry a prefill chunk: those verify every request with drafts, and all of them
+  draft right after;
 - each verification accepts each draft with the mode's measured acceptance rate (random draws;
   ``replay_mean`` averages over seeds).
 
@@ -161,20 +163,24 @@ def replay(s: ReplaySetup, record: list[tuple[str, list[float]]] | None = None,
         while waiting and len(running) < s.concurrency:
             running.append(waiting.pop(0))
         group = None
-        if two:
+        prefilling = two and any(r.in_prefill for r in running)
+        if two and not prefilling:
             ready = {r.group for r in running if not r.in_prefill and r.drafted}
             group = parity if parity in ready or not ready else 1 - parity
             parity = 1 - group
         n = len(running)
         order = [running[(rr + i) % n] for i in range(n)]
         rr += 1
+        fcfs = iter([r for r in running if r.in_prefill])  # prefill slots: oldest prompt first
+        order = [next(fcfs) if r.in_prefill else r for r in order]
         budget = s.max_prefill_tokens
         history: float | None = s.restore_token_cap
         verified: list[_Req] = []
         chunks: list[tuple[_Req, int]] = []
         context = link_bytes = 0.0
         for r in order:
-            if not r.in_prefill and two and (not r.drafted or r.group != group):
+            if not r.in_prefill and two and (
+                    not r.drafted or (group is not None and r.group != group)):
                 continue
             host = s.host_tokens(r.context)
             if history is not None and host:
@@ -225,6 +231,9 @@ def replay(s: ReplaySetup, record: list[tuple[str, list[float]]] | None = None,
                     sizes = [sum(1 for x in running if x.group == g) for g in (0, 1)]
                     r.group = 0 if sizes[0] <= sizes[1] else 1
                 r.drafted = not two  # sequential modes draft right after the step
+        if prefilling:  # the step's verified and newly prefilled requests draft right after it
+            for r in running:
+                r.drafted = r.drafted or not r.in_prefill
         for r in running:
             if not r.in_prefill and r.generated >= s.output_len:
                 r.finish = now
