@@ -13,7 +13,7 @@ from specstream.attention import ChunkedAttention, causal_mask, full_attention, 
 from specstream.config import EngineConfig
 from specstream.engine.overlap import GapFiller
 from specstream.engine.request import Request
-from specstream.engine.scheduler import Scheduler
+from specstream.engine.scheduler import Scheduler, StepPlan
 from specstream.engine.trace import Tracer
 from specstream.kvcache.manager import KVManager, OffloadPolicy
 from specstream.models.loader import load_model
@@ -182,3 +182,44 @@ def test_deeper_staging_ring_changes_nothing_but_the_schedule(tiny_target, tiny_
             llm.close()
         assert got == want, buffers
         assert m["device_kv_peak_bytes"] <= 2_000_000
+
+
+def _postprocess(sched: Scheduler, plan: StepPlan) -> None:
+    """What the engine does with a step's result, with every draft rejected: commit the KV,
+    append the sampled token, join a group, get the next drafts."""
+    for work in plan.seqs:
+        req = sched.requests[work.request_id]
+        sched.commit(work, req, 1 if work.sample else 0)
+        if work.sample:
+            req.output_token_ids.append(5)
+            if req.group < 0:
+                sched.assign_group(req)
+            req.draft_token_ids = [6, 7]
+
+
+def test_step_with_a_prefill_chunk_verifies_both_groups() -> None:
+    """Two-group mode: a decode-only step verifies one group; a step that also carries a prefill
+    chunk verifies every request with drafts and asks for drafts right after it."""
+    cfg = EngineConfig(mode="specstream", block_size=16, max_prefill_tokens=64, proposer="ngram",
+                       num_speculative_tokens=2, offload_after_tokens=64,
+                       resident_tail_tokens=32, chunk_tokens=64)
+    kv = KVManager(16, 256, 256, OffloadPolicy(offload=True, resident_tail_tokens=32,
+                                               offload_after_tokens=64, chunk_tokens=64))
+    sched = Scheduler(cfg, kv)
+    params = SamplingParams(max_tokens=8)
+    for i in range(2):
+        sched.add(Request(f"d{i}", list(range(1, 41)), params))
+    plan = sched.schedule()  # d0's whole prompt and the start of d1's
+    assert [(s.request_id, len(s.token_ids)) for s in plan.seqs] == [("d0", 40), ("d1", 24)]
+    assert plan.draft_after
+    _postprocess(sched, plan)
+    plan = sched.schedule()  # d0 verifies beside the rest of d1's prompt
+    assert {s.request_id for s in plan.seqs} == {"d0", "d1"} and plan.draft_after
+    _postprocess(sched, plan)
+    assert sorted(r.group for r in sched.running) == [0, 1]
+    plan = sched.schedule()
+    assert len(plan.seqs) == 1 and not plan.draft_after  # decode only: one group verifies
+    _postprocess(sched, plan)
+    sched.add(Request("p", list(range(1, 100)), params))  # a new prompt arrives
+    plan = sched.schedule()
+    assert {s.request_id for s in plan.seqs} == {"d0", "d1", "p"} and plan.draft_after
