@@ -3,8 +3,6 @@ engine's chunked attention, and a deeper staging ring (outputs unchanged)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -23,55 +21,68 @@ from specstream.spec.proposer import ProposeRequest
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
-class _SleepJob:
-    """A draft job whose steps each take ``step_s`` seconds."""
+class _Clock:
+    """A fake ``time.perf_counter`` for the gap filler; draft steps advance it."""
 
-    def __init__(self, steps: int, step_s: float) -> None:
-        self.left, self.step_s, self.ran = steps, step_s, 0
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class _FakeJob:
+    """A draft job whose steps each take ``step_s`` on the fake clock."""
+
+    def __init__(self, clock: _Clock, steps: int, step_s: float) -> None:
+        self.clock, self.left, self.step_s, self.ran = clock, steps, step_s, 0
 
     @property
     def done(self) -> bool:
         return self.left == 0
 
     def step(self) -> bool:
-        time.sleep(self.step_s)
+        self.clock.now += self.step_s
         self.left -= 1
         self.ran += 1
         return self.left > 0
 
 
-def test_gap_filler_runs_a_step_only_while_the_link_stays_busy() -> None:
-    job = _SleepJob(steps=4, step_s=0.004)
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    import specstream.engine.overlap as overlap
+
+    fake = _Clock()
+    monkeypatch.setattr(overlap, "time", fake)
+    return fake
+
+
+def test_gap_filler_runs_a_step_only_while_the_link_stays_busy(clock: _Clock) -> None:
+    job = _FakeJob(clock, steps=8, step_s=0.004)
     gap = GapFiller(job, Tracer(False), budget=0.0)  # type: ignore[arg-type]
     gap.step_ema = 0.004
-    # the issued copies keep the link busy 20 ms: several 4 ms steps fit, none beyond
-    until = time.perf_counter() + 0.020
-    gap.fill(lambda: False, until)
-    assert 1 <= job.ran <= 4
-    assert time.perf_counter() <= until + 0.004  # no step started that could not end in time
-    assert gap.overrun_s < 0.004
+    # the issued copies keep the link busy 10 ms: two 4 ms steps fit, a third would not
+    gap.fill(lambda: False, clock.now + 0.010)
+    assert job.ran == 2 and gap.overrun_s == 0.0
     # the link is done in 1 ms: a 4 ms step would leave it idle, so none runs
-    ran = job.ran
-    if not job.done:
-        gap.fill(lambda: False, time.perf_counter() + 0.001)
-        assert job.ran == ran
-    # a landed chunk ends the gap at once
-    job2 = _SleepJob(steps=3, step_s=0.001)
-    gap2 = GapFiller(job2, Tracer(False))  # type: ignore[arg-type]
-    gap2.fill(lambda: True, time.perf_counter() + 1.0)
-    assert job2.ran == 0
-    assert gap2.finish() >= 0.003 and job2.done
+    gap.fill(lambda: False, clock.now + 0.001)
+    assert job.ran == 2
+    # a landed chunk ends the gap at once, however long the link stays busy
+    gap.fill(lambda: True, clock.now + 1.0)
+    assert job.ran == 2
+    # what did not fit runs after verification
+    assert gap.finish() == pytest.approx(6 * 0.004) and job.done
 
 
-def test_gap_filler_counts_link_idle_time_against_its_budget() -> None:
-    job = _SleepJob(steps=3, step_s=0.01)
+def test_gap_filler_counts_link_idle_time_against_its_budget(clock: _Clock) -> None:
+    job = _FakeJob(clock, steps=3, step_s=0.010)
     gap = GapFiller(job, Tracer(False), budget=0.01)  # type: ignore[arg-type]
-    gap.start -= 1.0  # a second of verification so far: 10 ms of slack
-    # no estimate yet: the first step runs and outlasts the link's work by ~9 ms; the 1 ms of
+    clock.now += 1.0  # a second of verification so far: 10 ms of slack
+    # no estimate yet: the first step runs and outlasts the link's work by 9 ms; the 1 ms of
     # slack left cannot cover another 10 ms step
-    gap.fill(lambda: False, time.perf_counter() + 0.001)
+    gap.fill(lambda: False, clock.now + 0.001)
     assert job.ran == 1
-    assert gap.overrun_s == pytest.approx(0.009, abs=0.004)
+    assert gap.overrun_s == pytest.approx(0.009)
 
 
 def test_prefill_budget_goes_to_the_oldest_prompt_first() -> None:
@@ -101,8 +112,7 @@ def test_chunked_attention_lse_and_any_order() -> None:
     v = torch.randn(300, 2, 16, generator=g)
     mask = causal_mask(5, 300)
     att = ChunkedAttention(q, 2, 0.3)
-    for lo in (250, 0, 100, 37):  # arrival order scrambled; the masked piece comes first
-        hi = {250: 300, 0: 37, 100: 250, 37: 100}[lo]
+    for lo, hi in ((250, 300), (0, 37), (100, 250), (37, 100)):  # the masked piece comes first
         att.add(k[lo:hi], v[lo:hi], mask[:, lo:hi])
     ref = full_attention(q, k, v, 0.3, mask)
     assert ((att.result() - ref).abs().max() / ref.abs().max()).item() <= 1e-5

@@ -161,7 +161,6 @@ class ChunkedAttention:
         self.l: Tensor | None = None  # [kv, rows, 1] running sum of exp(s - m)
         self.acc: Tensor | None = None  # [kv, rows, D] running sum of exp(s - m) v
         self.masked = False
-        self.num_chunks = 0
 
     def add(self, k: Tensor, v: Tensor, mask: Tensor | None = None) -> None:
         """Fold in one chunk: k, v `[n, num_kv_heads, head_dim]`, mask `[num_q, n]` or None."""
@@ -169,7 +168,6 @@ class ChunkedAttention:
         n = k.shape[0]
         if n == 0:
             return
-        self.num_chunks += 1
         s = torch.matmul(self.q, k.float().permute(1, 2, 0))  # [kv, rows, n]
         if mask is not None:
             self.masked = True
