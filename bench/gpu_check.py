@@ -201,6 +201,7 @@ def _time_kernels(device: str) -> dict[str, float]:
 def step_modes(args: argparse.Namespace) -> dict[str, Any]:
     """Greedy token ids of every mode, fp32, on the embedded pair; all must be identical."""
     from specstream import LLM, SamplingParams
+    from specstream.config import MODES
     from specstream.llm import default_model_dir
     from specstream.models.config import ModelConfig
 
@@ -222,10 +223,11 @@ def step_modes(args: argparse.Namespace) -> dict[str, Any]:
                            "token_ids": {}, "metrics": {}}
     for mode in ("resident", "offload", "stream", "offload-spec", "specstream"):
         kv_bytes = budget if mode != "resident" else 4 * ctx * cfg.num_layers * layer_tok
-        llm = LLM(str(target), draft_model=str(draft), mode=mode, device=args.device,
-                  dtype="float32", device_kv_bytes=kv_bytes, block_size=bs, chunk_tokens=chunk,
-                  resident_tail_tokens=tail, offload_after_tokens=after, max_prefill_tokens=128,
-                  num_speculative_tokens=3)
+        spec = MODES[mode].speculative  # offload and stream take no proposer
+        llm = LLM(str(target), draft_model=str(draft) if spec else None, mode=mode,
+                  device=args.device, dtype="float32", device_kv_bytes=kv_bytes, block_size=bs,
+                  chunk_tokens=chunk, resident_tail_tokens=tail, offload_after_tokens=after,
+                  max_prefill_tokens=128, num_speculative_tokens=3 if spec else 0)
         try:
             outs = llm.generate(prompts, params, use_tqdm=False)
             m = llm.get_metrics()

@@ -24,6 +24,9 @@ class ModeSpec:
     # "sequential": draft after verification; "gaps": draft overlaps the link (specstream);
     # "parallel": draft on a second device.
     drafting: str = "sequential"
+    # True: the mode is defined by verifying drafts, so it refuses to run without a proposer
+    # (without one it would silently be `offload` or `stream`).
+    needs_drafts: bool = False
 
 
 MODES: dict[str, ModeSpec] = {
@@ -32,16 +35,29 @@ MODES: dict[str, ModeSpec] = {
         ModeSpec("resident", offload=False, history="none", speculative=True),
         ModeSpec("offload", offload=True, history="restore", speculative=False),
         ModeSpec("stream", offload=True, history="stream", speculative=False),
-        ModeSpec("offload-spec", offload=True, history="restore", speculative=True),
-        ModeSpec("specstream", offload=True, history="stream", speculative=True, drafting="gaps"),
+        ModeSpec("offload-spec", offload=True, history="restore", speculative=True,
+                 needs_drafts=True),
+        ModeSpec("specstream", offload=True, history="stream", speculative=True, drafting="gaps",
+                 needs_drafts=True),
         ModeSpec(
             "parallel-spec", offload=True, history="restore", speculative=True, devices=2,
-            drafting="parallel",
+            drafting="parallel", needs_drafts=True,
         ),
     )
 }
 
 GiB = 1 << 30
+# Draft tokens per round when a proposer is given without a number (the reference
+# implementation's middle choice of {1, 2, 4, 6, 8}).
+DEFAULT_SPECULATIVE_TOKENS = 4
+
+
+def default_offload_after(max_model_len: int) -> int:
+    """The offload threshold for a model whose context is ``max_model_len`` tokens: the
+    reference implementation offloads past 8192 tokens, set for 32K contexts (a quarter of
+    them); a model with a shorter context offloads past a quarter of its own, so its long
+    requests still exercise offloading (2048 tokens for the embedded 8K-context pair)."""
+    return max(1, min(8192, max_model_len // 4))
 
 
 @dataclass(frozen=True)
@@ -58,8 +74,11 @@ class EngineConfig:
     device_kv_bytes: int | None = None
     # Host memory for offloaded KV.
     host_kv_bytes: int = 8 * GiB
+    # Newest tokens of each request kept on the device (where new KV is written).
     resident_tail_tokens: int = 512
-    offload_after_tokens: int = 8192
+    # A request's history moves to the host once it passes this many tokens. None: derived
+    # from the model by `default_offload_after` (a quarter of its context, at most 8192).
+    offload_after_tokens: int | None = None
     chunk_tokens: int = 2048
     staging_buffers: int = 2
     # Emulated link bandwidth (GB/s) for the cpu backend; None = copies at memory speed.
@@ -67,8 +86,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     # Tokens of prefill a step may carry (prefill is chunked by this).
     max_prefill_tokens: int = 1024
-    # Draft tokens per round (q); 0 disables speculation.
-    num_speculative_tokens: int = 0
+    # Draft tokens per round (q); None: DEFAULT_SPECULATIVE_TOKENS with a proposer, else 0.
+    num_speculative_tokens: int | None = None
     # "draft" (a draft model, needs draft_model) or "ngram".
     proposer: str | None = None
     draft_model: str | None = None
@@ -91,7 +110,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.device_kv_bytes is not None and self.device_kv_bytes <= 0:
             raise ValueError(f"device_kv_bytes must be > 0, got {self.device_kv_bytes}")
-        if self.resident_tail_tokens < 0 or self.offload_after_tokens < 0:
+        if self.resident_tail_tokens < 0 or (self.offload_after_tokens or 0) < 0:
             raise ValueError("resident_tail_tokens and offload_after_tokens must be >= 0")
         if self.chunk_tokens % self.block_size:
             raise ValueError(
@@ -100,19 +119,46 @@ class EngineConfig:
             )
         if self.link_gbps is not None and self.link_gbps <= 0:
             raise ValueError(f"link_gbps must be > 0, got {self.link_gbps}")
-        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(
-                f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
-                f"got {self.num_speculative_tokens}"
-            )
         if self.proposer not in (None, "draft", "ngram"):
             raise ValueError(f"proposer must be 'draft' or 'ngram', got {self.proposer!r}")
         if self.proposer == "draft" and not self.draft_model:
             raise ValueError("proposer 'draft' needs draft_model (a model folder)")
+        if self.num_speculative_tokens is None:  # normalised here, the one place a frozen
+            object.__setattr__(  # dataclass may set its fields
+                self, "num_speculative_tokens",
+                DEFAULT_SPECULATIVE_TOKENS if self.proposer else 0)
+        q = self.q
+        if not 0 <= q <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {q}")
+        self._check_speculation(q)
         if self.draft_cache not in ("window", "full"):
             raise ValueError(f"draft_cache must be 'window' or 'full', got {self.draft_cache!r}")
         if self.compute_threads is not None and self.compute_threads < 1:
             raise ValueError(f"compute_threads must be >= 1, got {self.compute_threads}")
+
+    def _check_speculation(self, q: int) -> None:
+        """Speculation is on exactly when asked for, or the config is refused: never silently
+        off."""
+        spec = self.mode_spec
+        if self.proposer and not spec.speculative:
+            raise ValueError(
+                f"mode {self.mode!r} does not speculate, so it takes no proposer: use "
+                f"'offload-spec' or 'specstream' to speculate, or drop the proposer")
+        if q and not self.proposer:
+            raise ValueError(
+                f"num_speculative_tokens={q} needs a proposer: proposer='draft' with a "
+                "draft_model, or proposer='ngram'")
+        if self.proposer and not q:
+            raise ValueError(
+                f"proposer {self.proposer!r} with num_speculative_tokens=0 would never draft; "
+                "give q >= 1 or drop the proposer")
+        if spec.needs_drafts and not self.proposer:
+            plain = "stream" if spec.history == "stream" else "offload"
+            raise ValueError(
+                f"mode {self.mode!r} verifies drafts every round and needs a proposer "
+                f"(proposer='draft' with a draft_model, or 'ngram'); mode {plain!r} decodes "
+                "the same offloaded history without one")
 
     @property
     def mode_spec(self) -> ModeSpec:
@@ -120,11 +166,13 @@ class EngineConfig:
 
     @property
     def speculative(self) -> bool:
-        return (
-            self.mode_spec.speculative
-            and self.num_speculative_tokens > 0
-            and self.proposer is not None
-        )
+        """Rounds verify drafts (a proposer was given; validation makes q >= 1 then)."""
+        return self.proposer is not None
+
+    @property
+    def q(self) -> int:
+        """Draft tokens per round (``num_speculative_tokens`` once resolved; 0 = none)."""
+        return self.num_speculative_tokens or 0
 
     @property
     def device_budget(self) -> int:

@@ -10,10 +10,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from specstream.config import EngineConfig
+from specstream.config import MODES, EngineConfig
 from specstream.engine.llm_engine import LLMEngine
 from specstream.engine.request import RequestOutput
-from specstream.sampling_params import SamplingParams
+from specstream.sampling_params import SamplingParams, derive_seed
 
 Prompt = str | Sequence[int]
 
@@ -44,17 +44,17 @@ class LLM:
             raise TypeError(f"unknown LLM option(s): {unknown}; valid: {sorted(fields)}")
         if model is None:
             model = default_model_dir("target")
-            if draft_model is None and kwargs.get("proposer") == "draft":
+            if draft_model is None and _wants_draft(kwargs):
                 draft_model = default_model_dir("draft")
         if draft_model is not None:
             kwargs.setdefault("proposer", "draft")
-            kwargs.setdefault("num_speculative_tokens", 4)
         self.config = EngineConfig(draft_model=str(draft_model) if draft_model else None,
                                    **kwargs)
         self.engine = LLMEngine(model, self.config, trace=trace)
         self.tokenizer = self.engine.tokenizer
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: Prompt) -> list[int]:
+        """A prompt as token ids (text is encoded with the model's tokenizer)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model folder has no tokenizer: give token-id prompts")
@@ -82,7 +82,7 @@ class LLM:
         plist = list(params) if isinstance(params, Sequence) else [params] * len(items)
         if len(plist) != len(items):
             raise ValueError(f"{len(plist)} sampling params for {len(items)} prompts")
-        encoded = [self._encode(p) for p in items]  # validate all before adding any
+        encoded = [self.encode(p) for p in items]  # validate all before adding any
         ids: list[list[str]] = []
         added: list[str] = []
         try:
@@ -90,7 +90,7 @@ class LLM:
                 group = []
                 for i in range(p.n):
                     sub = p if p.n == 1 else dataclasses.replace(
-                        p, n=1, seed=None if p.seed is None else p.seed + i)
+                        p, n=1, seed=None if p.seed is None else derive_seed(p.seed, i))
                     rid = self.engine.add_request(ptoks, sub)
                     group.append(rid)
                     added.append(rid)
@@ -147,3 +147,13 @@ class LLM:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _wants_draft(kwargs: dict[str, Any]) -> bool:
+    """Whether options for the embedded target ask for speculation without naming a proposer
+    (draft tokens per round, or a mode that verifies drafts): the embedded draft answers."""
+    proposer = kwargs.get("proposer")
+    if proposer is not None:
+        return proposer == "draft"
+    mode = MODES.get(kwargs.get("mode", EngineConfig.mode))
+    return bool(kwargs.get("num_speculative_tokens")) or (mode is not None and mode.needs_drafts)

@@ -7,6 +7,21 @@ from dataclasses import dataclass
 
 # Upper bound on a per-request override of the engine's number of draft tokens per round.
 MAX_SPECULATIVE_TOKENS = 16
+# Seeds are what torch.Generator.manual_seed takes: a signed or unsigned 64-bit integer.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def derive_seed(seed: int, offset: int) -> int:
+    """A seed for a derived stream (the i-th of n choices, the draft's own generator): the
+    seed plus ``offset``, wrapped into [0, 2**64), so no derived seed can overflow."""
+    return (seed + offset) % (1 << 64)
+
+
+def _check_type(name: str, value: object, kind: type | tuple[type, ...]) -> None:
+    # bool is an int in Python, but `max_tokens=True` is a mistake, not a request for 1 token
+    if isinstance(value, bool) or not isinstance(value, kind):
+        want = "an integer" if kind is int else "a number"
+        raise TypeError(f"{name} must be {want}, got {type(value).__name__} {value!r}")
 
 
 @dataclass(frozen=True)
@@ -39,6 +54,16 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("top_k", "max_tokens", "n"):
+            _check_type(name, getattr(self, name), int)
+        for name in ("temperature", "top_p"):
+            _check_type(name, getattr(self, name), (int, float))
+        for name in ("seed", "num_speculative_tokens"):
+            if getattr(self, name) is not None:
+                _check_type(name, getattr(self, name), int)
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (a 64-bit integer), "
+                             f"got {self.seed}")
         if math.isnan(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:

@@ -95,11 +95,17 @@ class Executor:
         elif draft is not None and self.drafting == "gaps":
             self.history.gap = GapFiller(draft, self.tracer)
         result = StepResult()
-        if plan.seqs:
-            with self.tracer.span("verify", "verify", tokens=plan.num_tokens):
-                self._forward_and_verify(plan, result)
+        try:
+            if plan.seqs:
+                with self.tracer.span("verify", "verify", tokens=plan.num_tokens):
+                    self._forward_and_verify(plan, result)
+        except BaseException:  # a failed round leaves no draft work behind for the next one
+            if worker is not None:
+                worker.thread.join()
+            raise
+        finally:
+            gap, self.history.gap = self.history.gap, None
         result.wait_s = self.history.wait_s - wait0
-        gap, self.history.gap = self.history.gap, None
         if gap is not None:
             result.draft_s = gap.draft_s + gap.finish()
         elif worker is not None:

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from specstream.backends import limit_compute_threads, make_backend
-from specstream.config import EngineConfig
+from specstream.config import EngineConfig, default_offload_after
 from specstream.engine.executor import Executor
 from specstream.engine.history import ChunkStream, make_source
-from specstream.engine.request import CompletionOutput, Request, RequestOutput
+from specstream.engine.request import CompletionOutput, Request, RequestError, RequestOutput
 from specstream.engine.scheduler import Scheduler, SeqWork, StepPlan, StepResult
 from specstream.engine.trace import Tracer
 from specstream.kvcache.manager import KVManager, OffloadPolicy
@@ -26,6 +28,8 @@ from specstream.spec.draft import DraftModelProposer
 from specstream.spec.proposer import Proposal, ProposeJob, Proposer, ProposeRequest
 from specstream.tokenizer import Tokenizer
 
+log = logging.getLogger("specstream.engine")
+
 
 class LLMEngine:
     """Continuous-batching engine over one target model (and optionally a proposer)."""
@@ -34,6 +38,10 @@ class LLMEngine:
         self.config = config
         self.tracer = Tracer(trace)
         device = config.device
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(
+                f"device {device!r}: this torch ({torch.__version__}) sees no CUDA device "
+                f"(built with CUDA: {torch.version.cuda or 'no'}); use device='cpu'")
         torch.manual_seed(config.seed)  # requests without their own seed draw from it (as vLLM)
         if device.startswith("cpu") and config.compute_threads is not None:
             limit_compute_threads(config.compute_threads)
@@ -65,7 +73,9 @@ class LLMEngine:
         policy = OffloadPolicy(
             offload=mode.offload,
             resident_tail_tokens=config.resident_tail_tokens,
-            offload_after_tokens=config.offload_after_tokens,
+            offload_after_tokens=(config.offload_after_tokens
+                                  if config.offload_after_tokens is not None
+                                  else default_offload_after(self.max_model_len)),
             chunk_tokens=config.chunk_tokens,
         )
         self.kv = KVManager(config.block_size, num_device_blocks, num_host_blocks, policy)
@@ -87,8 +97,11 @@ class LLMEngine:
             "proposed_tokens": 0, "accepted_tokens": 0, "rounds": 0, "link_bytes_h2d": 0,
             "link_bytes_d2h": 0, "link_busy_s": 0.0, "compute_s": 0.0, "draft_s": 0.0,
             "decode_time_s": 0.0, "decode_link_busy_s": 0.0, "prefill_tokens": 0,
-            "prefill_only_time_s": 0.0,
+            "prefill_only_time_s": 0.0, "num_drafts": 0,
         }
+        # accepted_per_pos[i]: rounds whose draft at position i was accepted (vLLM's
+        # spec_decode_num_accepted_tokens_per_pos), so acceptance by position can be windowed
+        self.accepted_per_pos = [0] * max(1, config.q)
         self.rounds: list[RoundStats] = []
 
     def _make_proposer(self) -> Proposer:
@@ -103,7 +116,7 @@ class LLMEngine:
                 f"({self.model_config.vocab_size})"
             )
         return DraftModelProposer(draft, cfg.draft_cache, cfg.draft_window_tokens,
-                                  cfg.draft_sink_tokens, cfg.num_speculative_tokens)
+                                  cfg.draft_sink_tokens, cfg.q)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -140,12 +153,45 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One round: schedule, run (restore, verify, draft), postprocess."""
-        plan = self.scheduler.schedule()
-        draft_batch, job = self._overlapped_drafts(plan)
-        result = self.executor.run(plan, job)
-        outputs = self._postprocess(plan, result, draft_batch)
-        self._account(plan, result)
+        """One round: schedule, run (restore, verify, draft), postprocess.
+
+        No error inside a round stops the engine: one that belongs to a request
+        (:class:`RequestError`) fails that request; any other fails the round's requests,
+        frees their KV, and the engine goes on with the rest.
+        """
+        plan: StepPlan | None = None
+        draft_batch: list[ProposeRequest] = []
+        try:
+            plan = self.scheduler.schedule()
+            draft_batch, job = self._overlapped_drafts(plan)
+            result = self.executor.run(plan, job)
+            outputs = self._postprocess(plan, result, draft_batch)
+            self._account(plan, result)
+            return outputs
+        except Exception as exc:
+            return self._fail_round(plan, draft_batch, exc)
+
+    def _fail_round(self, plan: StepPlan | None, draft_batch: list[ProposeRequest],
+                    exc: Exception) -> list[RequestOutput]:
+        """Fail the requests a broken round touched (every running one when scheduling itself
+        broke) and report them, with the error, as finished."""
+        log.exception("engine step failed")
+        if plan is None:
+            rids = [r.request_id for r in self.scheduler.running]
+        else:
+            rids = [s.request_id for s in plan.seqs] + [d.request_id for d in draft_batch]
+        if isinstance(exc, RequestError) and exc.request_id in rids:
+            rids = [exc.request_id]
+        message = f"the request's round failed: {type(exc).__name__}: {exc}"
+        outputs = []
+        for rid in dict.fromkeys(rids):
+            req = self.scheduler.requests.get(rid)
+            if req is None:
+                continue
+            if not req.finished:
+                self._finish(req, "error", message)
+            outputs.append(self._output(req))
+            self.scheduler.requests.pop(rid, None)
         return outputs
 
     def _postprocess(
@@ -175,9 +221,9 @@ class LLMEngine:
             self._apply_drafts(draft_batch, result.proposals)
         if self.proposer is not None and (not self.overlapped or plan.draft_after):
             t0 = time.perf_counter()
-            batch = self._draft_batch(set())
-            if batch:
-                self._apply_drafts(batch, self.executor.draft_now(self.proposer.start(batch)))
+            batch, job = self._start_drafts(self._draft_batch(set()))
+            if job is not None:
+                self._apply_drafts(batch, self.executor.draft_now(job))
             result.draft_s += time.perf_counter() - t0
         outputs = [self._output(r) for r in touched]
         for r in touched:  # finished requests are reported once, then forgotten
@@ -249,6 +295,12 @@ class LLMEngine:
         self.counters["rounds"] += 1
         self.counters["proposed_tokens"] += work.num_drafts
         self.counters["accepted_tokens"] += num_new - 1
+        if work.num_drafts:
+            self.counters["num_drafts"] += 1
+            if work.num_drafts > len(self.accepted_per_pos):
+                self.accepted_per_pos.extend([0] * (work.num_drafts - len(self.accepted_per_pos)))
+            for i in range(num_new - 1):
+                self.accepted_per_pos[i] += 1
 
     def _append(self, req: Request, new: list[int]) -> None:
         params = req.params
@@ -280,7 +332,7 @@ class LLMEngine:
 
     def _num_drafts(self, req: Request) -> int:
         q = req.params.num_speculative_tokens
-        q = self.config.num_speculative_tokens if q is None else q
+        q = self.config.q if q is None else q
         room = min(req.params.max_tokens - len(req.output_token_ids),
                    self.max_model_len - req.num_tokens) - 1
         return max(0, min(q, room))
@@ -305,7 +357,23 @@ class LLMEngine:
         if not self.overlapped or self.proposer is None:
             return [], None
         batch = self._draft_batch({s.request_id for s in plan.seqs})
-        return batch, (self.proposer.start(batch) if batch else None)
+        return self._start_drafts(batch)
+
+    def _start_drafts(
+        self, batch: list[ProposeRequest]
+    ) -> tuple[list[ProposeRequest], ProposeJob | None]:
+        """The proposer's job for ``batch``; a request the proposer refuses fails alone."""
+        assert self.proposer is not None
+        while batch:
+            try:
+                return batch, self.proposer.start(batch)
+            except RequestError as exc:
+                req = self.scheduler.requests.get(exc.request_id)
+                if req is None:
+                    raise
+                self._finish(req, "error", f"drafting failed: {exc}")
+                batch = [b for b in batch if b.request_id != exc.request_id]
+        return [], None
 
     def _apply_drafts(self, batch: list[ProposeRequest], proposals: list[Proposal]) -> None:
         for pr, prop in zip(batch, proposals):
@@ -333,13 +401,19 @@ class LLMEngine:
             n = max(1, len(req.output_token_ids) - 1)
             metrics["tpot_s"] = (req.finish_time - req.first_token_time) / n
         return RequestOutput(req.request_id, None, list(req.prompt_token_ids), [comp],
-                             req.finished, metrics)
+                             req.finished, metrics, req.num_computed_tokens)
 
-    def get_metrics(self) -> dict[str, float]:
-        c = dict(self.counters)
+    def get_metrics(self) -> dict[str, Any]:
+        c: dict[str, Any] = dict(self.counters)
         block_bytes = self.store.block_bytes
+        dev, host = self.kv.device, self.kv.host
         c.update({
-            "mode": self.config.mode,  # type: ignore[dict-item]
+            "accepted_per_pos": list(self.accepted_per_pos),
+            "device_kv_blocks_used": dev.num_used, "device_kv_blocks_total": dev.num_blocks,
+            "host_kv_blocks_used": host.num_used, "host_kv_blocks_total": host.num_blocks,
+            "device_kv_usage": dev.num_used / dev.num_blocks if dev.num_blocks else 0.0,
+            "host_kv_usage": host.num_used / host.num_blocks if host.num_blocks else 0.0,
+            "mode": self.config.mode,
             "device_kv_budget_bytes": self.config.device_budget,
             "device_kv_peak_bytes": self.kv.device.peak_used * block_bytes
             + self.history.peak_bytes,

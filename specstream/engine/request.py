@@ -11,6 +11,15 @@ import torch
 from specstream.sampling_params import SamplingParams
 
 
+class RequestError(Exception):
+    """A failure that belongs to one request (its own seed, its own draft state): the engine
+    fails that request alone and carries on with the others."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -54,7 +63,10 @@ class Request:
 
     @property
     def in_prefill(self) -> bool:
-        return self.num_tokens - self.num_computed_tokens > 1
+        # Until the whole prompt has KV. (Not "more than one token without KV": a one-token
+        # prompt would never count as a prefill, never join a group, and wait forever in the
+        # two-group modes.)
+        return self.num_computed_tokens < len(self.prompt_token_ids)
 
     @property
     def finished(self) -> bool:
@@ -92,3 +104,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    # Tokens whose KV is in the cache (prompt and output): prefill progress of a long prompt.
+    num_computed_tokens: int = 0

@@ -121,7 +121,7 @@ class Scheduler:
         """Device blocks of the request's steady tail; host blocks of its whole history."""
         total = len(req.prompt_token_ids) + req.params.max_tokens
         bs, p = self.config.block_size, self.kv.policy
-        step = self.config.num_speculative_tokens + 1
+        step = self.config.q + 1
         if p.offload:
             tail = max(min(total, p.offload_after_tokens), p.resident_tail_tokens + bs) + step
             tail = min(tail, total + step)
@@ -148,11 +148,14 @@ class Scheduler:
         """Raise if the request could never be admitted, even on an idle engine."""
         r = self.reservation(req)
         if r.device_blocks + self.scratch_blocks > self.kv.device.num_blocks:
+            p = self.kv.policy
+            remedy = (f"or lower offload_after_tokens (now {p.offload_after_tokens}: the "
+                      "device keeps a request's KV until it passes that many tokens)"
+                      if p.offload else "or use an offloading mode")
             raise ValueError(
                 f"request needs {r.device_blocks + self.scratch_blocks} device KV blocks but the "
-                f"device budget holds "
-                f"{self.kv.device.num_blocks}; raise device_kv_bytes or use an offloading mode"
-            )
+                f"device budget holds {self.kv.device.num_blocks}; raise device_kv_bytes "
+                + remedy)
         if r.host_blocks > self.kv.host.num_blocks:
             raise ValueError(
                 f"request needs {r.host_blocks} host KV blocks but host_kv_bytes holds "

@@ -15,8 +15,10 @@ from collections.abc import Sequence
 import torch
 
 from specstream.attention import ChunkedAttention, causal_mask
+from specstream.engine.request import RequestError
 from specstream.models.decoder import CausalLM
 from specstream.sampling import logits_to_probs, make_generator, sample
+from specstream.sampling_params import derive_seed
 from specstream.spec.proposer import (
     Proposal,
     ProposeJob,
@@ -172,10 +174,7 @@ class DraftJob(ProposeJob):
         for r in self.active:
             c = proposer.caches.get(r.request_id)
             if c is None:
-                c = proposer.caches[r.request_id] = _SeqCache(
-                    make_generator(r.params, proposer.device))
-                if c.generator is not None:  # independent of the target's stream
-                    c.generator.manual_seed((r.params.seed or 0) + 0x5EED)
+                c = proposer.caches[r.request_id] = _SeqCache(_draft_generator(r, proposer.device))
             self.caches.append(c)
         feeds = [proposer._catch_up(c, r.token_ids) for c, r in zip(self.caches, self.active)]
         self.tokens = [f[0] for f in feeds]
@@ -222,3 +221,15 @@ class DraftJob(ProposeJob):
             probs = None if r.params.greedy else torch.stack(self.probs[i])
             out[r.request_id] = Proposal(self.drafted[i], probs)
         return [out[r.request_id] for r in self.requests]
+
+
+def _draft_generator(r: ProposeRequest, device: torch.device) -> torch.Generator | None:
+    """The request's draft generator: seeded apart from the target's stream, so drafts and
+    verification draw independent randomness."""
+    gen = make_generator(r.params, device)
+    if gen is not None:
+        try:
+            gen.manual_seed(derive_seed(r.params.seed or 0, 0x5EED))
+        except (RuntimeError, ValueError, OverflowError) as exc:
+            raise RequestError(r.request_id, f"cannot seed the draft generator: {exc}") from exc
+    return gen

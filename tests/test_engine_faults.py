@@ -1,0 +1,235 @@
+"""No single request can kill or hang the engine; speculation is never silently off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specstream import LLM, SamplingParams
+from specstream.config import EngineConfig
+from specstream.sampling_params import derive_seed
+
+OFFLOAD = dict(block_size=16, chunk_tokens=64, resident_tail_tokens=32, offload_after_tokens=64,
+               max_prefill_tokens=64, device_kv_bytes=1_600_000)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+MAX_STEPS = 400  # far more than any request here needs: a hang fails instead of spinning
+
+
+def _prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (n,), generator=g).tolist() for n in lengths]
+
+
+def _drive(llm: LLM, requests: list[tuple[list[int], SamplingParams]]) -> dict[str, object]:
+    """Add requests and step until they finish (bounded); final outputs by request id."""
+    eng = llm.engine
+    ids = [eng.add_request(p, sp) for p, sp in requests]
+    final: dict[str, object] = {}
+    for _ in range(MAX_STEPS):
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+        if all(i in final for i in ids):
+            return {i: final[i] for i in ids}
+    raise AssertionError(f"requests did not finish in {MAX_STEPS} steps: no progress")
+
+
+def _tokens(out) -> list[int]:
+    return out.outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target) -> list[list[int]]:
+    llm = LLM(tiny_target, mode="resident", device_kv_bytes=16 << 20)
+    try:
+        outs = llm.generate(_prompts((1, 200, 300)), GREEDY, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("mode", ["specstream", "parallel-spec", "offload-spec", "resident"])
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_one_token_prompt_finishes(tiny_target, tiny_draft, reference, mode, proposer):
+    """A one-token prompt used to wait forever in the two-group modes (never prefilled, so
+    never put into a group)."""
+    kw = dict(draft_model=tiny_draft) if proposer == "draft" else dict(proposer="ngram")
+    llm = LLM(tiny_target, mode=mode, num_speculative_tokens=3, **OFFLOAD, **kw)
+    try:
+        alone = _drive(llm, [(_prompts((1,))[0], GREEDY)])
+        assert [_tokens(o) for o in alone.values()] == reference[:1]
+        mixed = _drive(llm, [(p, GREEDY) for p in _prompts((1, 200, 300))])
+        assert [_tokens(o) for o in mixed.values()] == reference
+    finally:
+        llm.close()
+
+
+def test_seed_at_the_top_of_the_range_samples_with_a_draft(tiny_target, tiny_draft):
+    """seed = 2**64 - 1 with sampling used to overflow the draft's derived seed and kill the
+    engine; derived seeds now wrap."""
+    params = SamplingParams(temperature=0.8, seed=(1 << 64) - 1, max_tokens=12, ignore_eos=True,
+                            n=2)
+    llm = LLM(tiny_target, mode="specstream", draft_model=tiny_draft, num_speculative_tokens=3,
+              **OFFLOAD)
+    try:
+        out = llm.generate(_prompts((80,)), params, use_tqdm=False)[0]
+        assert [o.finish_reason for o in out.outputs] == ["length", "length"]
+        again = llm.generate(_prompts((80,)), params, use_tqdm=False)[0]
+        assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]
+    finally:
+        llm.close()
+    assert derive_seed((1 << 64) - 1, 1) == 0
+
+
+def test_a_request_error_fails_that_request_alone(tiny_target, tiny_draft, reference,
+                                                  monkeypatch):
+    """A failure that belongs to one request (here: its draft generator cannot be seeded, as
+    before derived seeds wrapped) fails it with a message; the others decode exactly."""
+    import specstream.spec.draft as draft_module
+
+    monkeypatch.setattr(draft_module, "derive_seed", lambda seed, offset: seed + offset)
+    llm = LLM(tiny_target, mode="specstream", draft_model=tiny_draft, num_speculative_tokens=3,
+              **OFFLOAD)
+    try:
+        bad = SamplingParams(temperature=0.8, seed=(1 << 64) - 1, max_tokens=12)
+        prompts = _prompts((1, 200, 300))
+        outs = list(_drive(llm, [(prompts[0], bad), (prompts[1], GREEDY),
+                                 (prompts[2], GREEDY)]).values())
+        assert outs[0].outputs[0].finish_reason == "error"
+        assert "draft generator" in outs[0].outputs[0].error
+        assert [_tokens(o) for o in outs[1:]] == reference[1:]
+        m = llm.get_metrics()
+        assert m["device_kv_blocks_used"] == 0 and m["host_kv_blocks_used"] == 0
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("mode", ["specstream", "parallel-spec", "offload"])
+def test_a_failed_round_fails_its_requests_and_the_engine_goes_on(
+        tiny_target, tiny_draft, reference, mode, monkeypatch):
+    """Any other error inside a round fails the round's requests (KV freed, error reported)
+    and the engine carries on with the rest and with new requests."""
+    kw = dict(draft_model=tiny_draft, num_speculative_tokens=3) if mode != "offload" else {}
+    llm = LLM(tiny_target, mode=mode, **OFFLOAD, **kw)
+    eng = llm.engine
+    real_run, calls, failed_plan = eng.executor.run, [0], []
+
+    def flaky_run(plan, draft=None):
+        calls[0] += 1
+        if calls[0] == 3:
+            failed_plan.extend(s.request_id for s in plan.seqs)
+            raise RuntimeError("injected device fault")
+        return real_run(plan, draft)
+
+    monkeypatch.setattr(eng.executor, "run", flaky_run)
+    try:
+        prompts = _prompts((1, 200, 300))
+        outs = _drive(llm, [(p, GREEDY) for p in prompts])
+        failed = {rid for rid, o in outs.items() if o.outputs[0].finish_reason == "error"}
+        assert failed_plan and set(failed_plan) <= failed  # the round's requests failed
+        assert len(failed) < len(prompts)  # and not every request
+        for rid in failed:
+            assert "injected device fault" in outs[rid].outputs[0].error
+        for (rid, o), ref in zip(outs.items(), reference):
+            if rid not in failed:
+                assert _tokens(o) == ref
+        m = llm.get_metrics()
+        assert m["device_kv_blocks_used"] == 0 and m["host_kv_blocks_used"] == 0
+        assert not eng.scheduler.requests  # nothing left behind
+        later = _drive(llm, [(p, GREEDY) for p in prompts])  # the engine still serves
+        assert [_tokens(o) for o in later.values()] == reference
+    finally:
+        llm.close()
+
+
+def test_speculative_counters(tiny_target, tiny_draft):
+    llm = LLM(tiny_target, mode="resident", device_kv_bytes=16 << 20, draft_model=tiny_draft,
+              num_speculative_tokens=3)
+    try:
+        llm.generate(_prompts((50, 90)), GREEDY, use_tqdm=False)
+        m = llm.get_metrics()
+    finally:
+        llm.close()
+    assert m["num_drafts"] > 0 and m["proposed_tokens"] >= m["num_drafts"]
+    per_pos = m["accepted_per_pos"]
+    assert sum(per_pos) == m["accepted_tokens"]
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # a later draft needs the earlier
+    assert per_pos[0] <= m["num_drafts"]
+
+
+# ---- speculation never silently off -------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(mode="offload", proposer="ngram"), "does not speculate"),
+    (dict(mode="stream", proposer="ngram", num_speculative_tokens=4), "does not speculate"),
+    (dict(mode="resident", num_speculative_tokens=4), "needs a proposer"),
+    (dict(mode="specstream"), "needs a proposer"),
+    (dict(mode="offload-spec", num_speculative_tokens=0), "needs a proposer"),
+    (dict(proposer="ngram", num_speculative_tokens=0), "would never draft"),
+])
+def test_config_refuses_speculation_it_would_not_do(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_a_proposer_without_q_drafts_four():
+    assert EngineConfig(proposer="ngram").q == 4
+    assert EngineConfig().q == 0
+
+
+def test_embedded_target_speculates_when_asked():
+    """`LLM(mode="specstream", num_speculative_tokens=4)` and `LLM(proposer="ngram")` on the
+    embedded target used to run without speculation; now they draft."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for kwargs, proposer in [(dict(mode="specstream", num_speculative_tokens=4), "draft"),
+                             (dict(mode="specstream"), "draft"),
+                             (dict(proposer="ngram"), "ngram")]:
+        llm = LLM(**kwargs)
+        try:
+            assert llm.config.proposer == proposer and llm.config.q == 4
+            llm.generate(["def f(x):\n    return x\n" * 4], params, use_tqdm=False)
+            assert llm.get_metrics()["proposed_tokens"] > 0
+        finally:
+            llm.close()
+
+
+def test_embedded_defaults_offload_past_a_quarter_of_the_context():
+    llm = LLM(mode="stream")
+    try:
+        assert llm.engine.max_model_len == 8192
+        assert llm.engine.kv.policy.offload_after_tokens == 2048
+    finally:
+        llm.close()
+
+
+# ---- clear errors ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_tokens="5"), "max_tokens must be an integer, got str"),
+    (dict(temperature="0.5"), "temperature must be a number"),
+    (dict(n=True), "n must be an integer, got bool"),
+    (dict(seed=1 << 64), "seed must be in"),
+    (dict(seed=-(1 << 63) - 1), "seed must be in"),
+    (dict(seed=1.5), "seed must be an integer"),
+])
+def test_sampling_params_type_and_range_errors(kwargs, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_without_a_gpu_is_a_clear_error(tiny_target):
+    with pytest.raises(ValueError, match="sees no CUDA device"):
+        LLM(tiny_target, device="cuda")
+
+
+def test_too_small_budget_in_an_offloading_mode_names_the_right_remedy(tiny_target):
+    llm = LLM(tiny_target, mode="stream", block_size=16, chunk_tokens=64,
+              device_kv_bytes=400_000, offload_after_tokens=2048)
+    try:
+        with pytest.raises(ValueError) as err:
+            llm.engine.add_request(_prompts((1500,))[0], GREEDY)
+        assert "offload_after_tokens" in str(err.value)
+        assert "use an offloading mode" not in str(err.value)
+    finally:
+        llm.close()
