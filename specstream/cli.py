@@ -6,9 +6,11 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from specstream.config import MODES, EngineConfig
+from specstream.config import DEFAULT_SPECULATIVE_TOKENS, MODES, EngineConfig
 
 Command = Callable[[argparse._SubParsersAction], None]  # registers one subcommand
 _COMMANDS: list[Command] = []
@@ -19,31 +21,71 @@ def command(fn: Command) -> Command:
     return fn
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.option_strings and action.default is not argparse.SUPPRESS
+                and "default" not in text.lower()):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _default(name: str) -> object:
+    """EngineConfig's default for a field (engine options left unset keep it)."""
+    return EngineConfig.__dataclass_fields__[name].default
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine options shared by every command that builds an engine."""
+    """Engine options shared by every command that builds an engine. Unset ones keep
+    EngineConfig's defaults (named in each help), so the CLI and the Python API agree."""
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF model folder (default: embedded target)")
+    g.add_argument("--model", default=None,
+                   help="HF model folder (default: the embedded target)")
     g.add_argument("--draft-model", default=None,
-                   help="draft model folder (default with --proposer draft: embedded draft)")
-    g.add_argument("--mode", default="resident", choices=sorted(MODES), help="engine mode")
+                   help="draft model folder (default: the embedded draft when the embedded "
+                        "target speculates with the draft proposer)")
+    g.add_argument("--mode", default="resident", choices=sorted(MODES),
+                   help="engine mode: where KV lives and how rounds are scheduled")
     g.add_argument("--proposer", default=None, choices=["draft", "ngram"],
-                   help="speculation proposer (default: draft when a draft model is set)")
+                   help="speculation proposer (default: draft with --draft-model, or for the "
+                        "embedded target in a mode that speculates; else none)")
     g.add_argument("--num-speculative-tokens", "-q", type=int, default=None,
-                   help="draft tokens per round (default 4 with a proposer)")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device-kv-bytes", type=float, default=None, help="device KV budget")
-    g.add_argument("--host-kv-bytes", type=float, default=None, help="host KV capacity")
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--chunk-tokens", type=int, default=None)
-    g.add_argument("--staging-buffers", type=int, default=None)
-    g.add_argument("--resident-tail-tokens", type=int, default=None)
-    g.add_argument("--offload-after-tokens", type=int, default=None)
+                   help=f"draft tokens per round (default: {DEFAULT_SPECULATIVE_TOKENS} with "
+                        "a proposer, else 0)")
+    g.add_argument("--device", default="cpu", help="cpu, or cuda[:N]")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV dtype (auto: bfloat16 on cuda, float32 on cpu)")
+    g.add_argument("--device-kv-bytes", type=float, default=None,
+                   help="device memory for KV: resident tails and staging buffers (default: "
+                        "4 GiB); 1e7 and 10000000 both work")
+    g.add_argument("--host-kv-bytes", type=float, default=None,
+                   help=f"host memory for offloaded KV (default: {_default('host_kv_bytes')})")
+    g.add_argument("--block-size", type=int, default=None,
+                   help=f"tokens per KV block (default: {_default('block_size')})")
+    g.add_argument("--chunk-tokens", type=int, default=None,
+                   help=f"tokens per streamed restore chunk (default: {_default('chunk_tokens')})")
+    g.add_argument("--staging-buffers", type=int, default=None,
+                   help=f"device staging buffers for streamed chunks (default: "
+                        f"{_default('staging_buffers')})")
+    g.add_argument("--resident-tail-tokens", type=int, default=None,
+                   help=f"newest tokens of a request kept on the device (default: "
+                        f"{_default('resident_tail_tokens')})")
+    g.add_argument("--offload-after-tokens", type=int, default=None,
+                   help="a request's history moves to the host past this many tokens "
+                        "(default: a quarter of the model's context, at most 8192)")
     g.add_argument("--link-gbps", type=float, default=None,
-                   help="emulated link bandwidth on the cpu backend (GB/s)")
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-prefill-tokens", type=int, default=None)
-    g.add_argument("--draft-cache", choices=["window", "full"], default=None)
+                   help="emulated host-device link bandwidth on the cpu backend, GB/s "
+                        "(default: none, copies at memory speed)")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"requests decoded at once (default: {_default('max_num_seqs')})")
+    g.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help=f"prompt tokens one step may prefill (default: "
+                        f"{_default('max_prefill_tokens')})")
+    g.add_argument("--draft-cache", choices=["window", "full"], default=None,
+                   help="draft KV policy: attention sinks + recent window, or every token "
+                        f"(default: {_default('draft_cache')})")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -53,40 +95,43 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     for k in ("device_kv_bytes", "host_kv_bytes"):
         if k in kw:
             kw[k] = int(kw[k])
-    if args.proposer is None and (args.draft_model or args.num_speculative_tokens):
-        kw["proposer"] = "draft"
-    if kw.get("proposer") and "num_speculative_tokens" not in kw:
-        kw["num_speculative_tokens"] = 4
     kw.pop("draft_model", None)
     return kw
 
 
 def build_llm(args: argparse.Namespace, trace: bool = False):  # -> LLM
-    from specstream.llm import LLM, default_model_dir
+    """The LLM the engine options describe; the embedded pair fills in what is not given
+    (see :class:`specstream.llm.LLM`)."""
+    from specstream.llm import LLM
 
-    kw = engine_kwargs(args)
-    draft = args.draft_model
-    if draft is None and kw.get("proposer") == "draft":
-        draft = str(default_model_dir("draft"))
-    return LLM(model=args.model, draft_model=draft, trace=trace, **kw)
+    return LLM(model=args.model, draft_model=args.draft_model, trace=trace,
+               **engine_kwargs(args))
 
 
 @command
 def _generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for a prompt",
-                       description="Generate text for one prompt (or one per line of a file).")
+                       description="Generate text for one prompt; progress on stderr, then the "
+                                   "text on stdout and a summary of what the engine did "
+                                   "(rounds, accepted length, link bytes, KV peaks) on stderr.")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", help="file whose whole text is the prompt")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--json", action="store_true", help="print a JSON record instead of text")
+    src.add_argument("--prompt", help="prompt text (default: none; this or --prompt-file)")
+    src.add_argument("--prompt-file",
+                     help="file whose whole text is the prompt (default: none)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 is off")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely; 0 is off")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the request's own generator (default: the engine's)")
+    p.add_argument("--stop", action="append", default=None,
+                   help="stop string, repeatable (default: none)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON record (text, token ids, metrics) instead of text")
     p.add_argument("--trace", default=None,
-                   help="write a Chrome trace JSON of every round (and a .png timeline)")
+                   help="write a Chrome trace JSON of every round and a .png timeline "
+                        "(default: none)")
     add_engine_args(p)
     p.set_defaults(func=_run_generate)
 
@@ -103,24 +148,87 @@ def _run_generate(args: argparse.Namespace) -> int:
                             seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
     llm = build_llm(args, trace=args.trace is not None)
     try:
-        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        t0 = time.perf_counter()
+        out = _generate_with_progress(llm, prompt, params, show=not args.json)
+        wall = time.perf_counter() - t0
         metrics = llm.get_metrics()
         if args.trace:
             from pathlib import Path
 
             llm.engine.tracer.to_chrome(args.trace)
             llm.engine.tracer.to_png(Path(args.trace).with_suffix(".png"))
+        summary = _summary(llm, out, metrics, wall)
     finally:
         llm.close()
+    comp = out.outputs[0]
     if args.json:
-        print(json.dumps({"text": out.text, "token_ids": out.token_ids,
-                          "finish_reason": out.finish_reason, "metrics": metrics}))
+        print(json.dumps({"text": comp.text, "token_ids": comp.token_ids,
+                          "finish_reason": comp.finish_reason, "error": comp.error,
+                          "wall_s": wall, "metrics": metrics}))
     else:
-        print(out.text)
-        print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}, "
-              f"mode={metrics['mode']}, mean_accepted_len={metrics['mean_accepted_len']:.2f}]",
-              file=sys.stderr)
-    return 0
+        print(comp.text)
+        print(summary, file=sys.stderr)
+    return 0 if comp.finish_reason != "error" else 1
+
+
+def _generate_with_progress(llm: Any, prompt: str, params: Any, show: bool) -> Any:
+    """One request, stepped here so a long prefill shows its progress (prompt tokens whose KV
+    is cached), then the decode (tokens generated)."""
+    from tqdm.auto import tqdm
+
+    ids = llm.encode(prompt)
+    engine = llm.engine
+    rid = engine.add_request(ids, params)
+    last = None
+    bar = tqdm(total=len(ids), desc="prefill", unit="tok", disable=not show, leave=False,
+               file=sys.stderr)
+    decoding = False
+    with bar:
+        while last is None or not last.finished:
+            for o in engine.step():
+                if o.request_id == rid:
+                    last = o
+            if last is None:
+                continue
+            generated = len(last.outputs[0].token_ids)
+            if not decoding and generated:
+                decoding = True
+                bar.reset(total=params.max_tokens)
+                bar.set_description("decode")
+            bar.update((generated if decoding else min(last.num_computed_tokens, len(ids)))
+                       - bar.n)
+    return last
+
+
+def _summary(llm: Any, out: Any, m: dict[str, Any], wall: float) -> str:
+    """What the engine did for one generation, in a few lines a newcomer can read."""
+    comp, cfg, policy = out.outputs[0], llm.config, llm.engine.kv.policy
+    n = len(comp.token_ids)
+    lines = [f"[{n} tokens from a {len(out.prompt_token_ids)}-token prompt in {wall:.2f} s, "
+             f"finish_reason={comp.finish_reason}]"]
+    if comp.error:
+        lines.append(f"  error         {comp.error}")
+    how = {"none": "all KV on the device", "restore": "offloaded history restored layer by layer",
+           "stream": f"offloaded history streamed in {cfg.chunk_tokens}-token chunks"}
+    spec = (f"{cfg.proposer} proposer, {cfg.q} draft tokens per round" if cfg.speculative
+            else "no speculation")
+    lines.append(f"  mode          {cfg.mode}: {how[cfg.mode_spec.history]}; {spec}")
+    if cfg.speculative:
+        lines.append(f"  speculation   {m['rounds']:.0f} rounds, mean accepted length "
+                     f"{m['mean_accepted_len']:.2f} tokens per round, acceptance rate "
+                     f"{m['acceptance_rate']:.2f}")
+    lines.append(f"  link          {_mb(m['link_bytes_h2d'])} host->device (restores), "
+                 f"{_mb(m['link_bytes_d2h'])} device->host (write-backs)")
+    offload = (f"; history past {policy.offload_after_tokens} tokens offloaded, newest "
+               f"{policy.resident_tail_tokens} kept on the device" if policy.offload else "")
+    lines.append(f"  KV peaks      device {_mb(m['device_kv_peak_bytes'])} of a "
+                 f"{_mb(m['device_kv_budget_bytes'])} budget, host "
+                 f"{_mb(m['host_kv_peak_bytes'])}{offload}")
+    return "\n".join(lines)
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 1e6:.1f} MB"
 
 
 def _optional_commands(sub: argparse._SubParsersAction) -> None:
@@ -144,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     for register in _COMMANDS:
         register(sub)
     _optional_commands(sub)
+    for p in sub.choices.values():
+        p.formatter_class = HelpFormatter
     return parser
 
 

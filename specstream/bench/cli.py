@@ -36,23 +36,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default=None, help="target folder (default: embedded target)")
     p.add_argument("--draft-model", default=None, help="draft folder (default: embedded draft)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda[:N]")
+    p.add_argument("--dtype", default="auto",
+                   help="weights and KV dtype (auto: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--modes", default=",".join(ALL_MODES), help="comma-separated modes")
     p.add_argument("--context-len", type=int, default=4096, help="prompt tokens per request")
-    p.add_argument("--num-requests", type=int, default=8)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-requests", type=int, default=8, help="requests in the workload")
+    p.add_argument("--output-len", type=int, default=128,
+                   help="greedy output tokens per request")
     p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS,
                    help=f"emulated link bandwidth, GB/s (default {DEFAULT_LINK_GBPS})")
-    p.add_argument("--device-kv-bytes", type=float, default=64 << 20)
-    p.add_argument("-q", "--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--chunk-tokens", type=int, default=BenchSettings.chunk_tokens)
+    p.add_argument("--device-kv-bytes", type=float, default=64 << 20,
+                   help="device KV budget of every mode, bytes")
+    p.add_argument("-q", "--num-speculative-tokens", type=int, default=4,
+                   help="draft tokens per round in the speculative modes")
+    p.add_argument("--chunk-tokens", type=int, default=BenchSettings.chunk_tokens,
+                   help="tokens per streamed restore chunk")
     p.add_argument("--staging-buffers", type=int, default=BenchSettings.staging_buffers,
                    help="chunk buffers in the staging ring of specstream (default "
                         f"{BenchSettings.staging_buffers})")
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--resident-tail-tokens", type=int, default=256)
-    p.add_argument("--offload-after-tokens", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=128, help="tokens per KV block")
+    p.add_argument("--resident-tail-tokens", type=int, default=256,
+                   help="newest tokens of a request kept on the device")
+    p.add_argument("--offload-after-tokens", type=int, default=512,
+                   help="history moves to the host past this many tokens")
     p.add_argument("--quick", action="store_true", help="a smaller run (about 2 minutes)")
     p.add_argument("--sweep", action="store_true",
                    help="sweep link bandwidth and context length; writes a PNG")

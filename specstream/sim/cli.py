@@ -46,26 +46,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     help="fixed cost per layer per forward, microseconds (default 10)")
     m = p.add_argument_group("models (built-in name or path to an HF config.json / checkpoint)")
     m.add_argument("--target", default="Qwen3-8B", help=f"built-ins: {', '.join(MODELS)}")
-    m.add_argument("--draft", default="Qwen3-0.6B")
+    m.add_argument("--draft", default="Qwen3-0.6B", help="draft model: a built-in name or a path")
     w = p.add_argument_group("workload and acceptance")
     w.add_argument("--context", default="32768",
                    help="prompt lengths: 32768, a list 8192,32768, or weighted 8192:0.3,32768:0.7")
-    w.add_argument("--output-len", type=int, default=512)
+    w.add_argument("--output-len", type=int, default=512, help="output tokens per request")
     w.add_argument("--concurrency", type=int, default=16, help="max requests in flight")
     w.add_argument("--arrival-rate", type=float, help="Poisson arrivals, requests/s")
     w.add_argument("--num-requests", type=int, help="default: 2 x concurrency (64 if open loop)")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0, help="seed of the simulated workload")
     w.add_argument("--alpha", type=float, default=0.75, help="per-token acceptance rate")
     w.add_argument("--accepted-counts", help="measured histogram n0,n1,..,nq (rounds with k "
                                              "drafts accepted); overrides --alpha")
     e = p.add_argument_group("engine policy")
     e.add_argument("--q", default="auto", help="drafts per round, or 'auto' (best of 1,2,4,6,8)")
-    e.add_argument("--chunk-tokens", type=int, default=2048)
-    e.add_argument("--staging-buffers", type=int, default=2)
-    e.add_argument("--resident-tail", type=int, default=512)
-    e.add_argument("--offload-threshold", type=int, default=8192)
+    e.add_argument("--chunk-tokens", type=int, default=2048, help="tokens per streamed chunk")
+    e.add_argument("--staging-buffers", type=int, default=2,
+                   help="device staging buffers for streamed chunks")
+    e.add_argument("--resident-tail", type=int, default=512,
+                   help="newest tokens of a request kept on the device")
+    e.add_argument("--offload-threshold", type=int, default=8192,
+                   help="history moves to the host past this many tokens")
     e.add_argument("--draft-window", default="4096", help="draft KV tokens kept, or 'all'")
-    e.add_argument("--corun-slowdown", type=float, default=0.05)
+    e.add_argument("--corun-slowdown", type=float, default=0.05,
+                   help="fraction of a round the co-running draft may cost the target")
     o = p.add_argument_group("output")
     o.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
     o.add_argument("--sweep", help="context lengths for the sweep plot, e.g. 8192,16384,32768")
