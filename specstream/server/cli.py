@@ -20,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "otherwise.")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (else 401)")
     s.add_argument("--served-model-name", default=None,
@@ -33,7 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds a request may wait for admission before a 503")
     s.add_argument("--max-n", type=int, default=16, help="largest n (choices per prompt)")
     s.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
     add_engine_args(p)
     add_ray_args(p)
     p.set_defaults(func=run_serve)

@@ -466,7 +466,8 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs reserved per replica")
     g.add_argument("--replica-gpus", type=float, default=None,
                    help="GPUs per replica (default: 1 with --device cuda, else 0)")
-    g.add_argument("--ingress-cpus", type=float, default=0.5)
+    g.add_argument("--ingress-cpus", type=float, default=0.5,
+                   help="CPUs reserved for the HTTP ingress")
     g.add_argument("--ray-max-retries", type=int, default=2,
                    help="times a request is sent to another replica after its replica failed")
     g.add_argument("--routing-slack", type=float, default=0.1,
