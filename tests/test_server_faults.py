@@ -1,4 +1,5 @@
-"""The server under faults: cancelled streams, a failed KV transfer, backpressure, API keys.
+"""The server under faults: cancelled streams, a failed KV transfer, backpressure, API keys,
+reused request ids, a failed engine-loop iteration.
 
 An offloading mode (``stream``, small blocks and thresholds) keeps the host tier in use, so a
 leak on either tier shows up in ``engine.kv.{device,host}.num_used``.
@@ -7,6 +8,7 @@ leak on either tier shows up in ``engine.kv.{device,host}.num_used``.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -161,18 +163,91 @@ def test_non_streaming_client_that_leaves_is_aborted(offload_server: LiveServer)
     assert wait_for(lambda: kv.device.num_used == 0 and kv.host.num_used == 0)
 
 
-def test_engine_crash_fails_requests_and_health(chat_model: Path) -> None:  # noqa: F811
+def test_error_event_is_followed_by_done(offload_server: LiveServer) -> None:
+    backend = offload_server.engine.engine.backend
+    backend.inject_failure(lambda tag: tag == "sse-err-0")
+    body = {"model": MODEL, "prompt": token_prompts(2, length=120)[1], "max_tokens": 16,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    try:
+        with httpx.stream("POST", offload_server.url + "/v1/completions", json=body,
+                          headers={"x-request-id": "sse-err"}, timeout=30) as r:
+            lines = [ln for ln in r.iter_lines() if ln]
+    finally:
+        backend.clear_failures()
+    assert lines[-1] == "data: [DONE]"  # was missing after an error event
+    err = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert err["type"] == "server_error" and "transfer" in err["message"].lower()
+
+
+def test_a_reused_request_id_is_refused_and_leaves_the_first_alone(
+        chat_model: Path) -> None:  # noqa: F811
+    # one batch slot: "held" runs, "queued" waits for admission; both ids are in flight
+    live = LiveServer(LLM(chat_model, max_num_seqs=1, device_kv_bytes=4_000_000))
+    try:
+        client = live.client(timeout=20)
+        held = client.completions.create(
+            model=MODEL, prompt="a", max_tokens=1000, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            extra_headers={"x-request-id": "held"})
+        chunks = iter(held)
+        next(chunks)
+
+        def post(request_id: str) -> httpx.Response:
+            return httpx.post(live.url + "/v1/completions", timeout=20,
+                              json={"model": MODEL, "prompt": "b", "max_tokens": 4,
+                                    "temperature": 0}, headers={"x-request-id": request_id})
+
+        async def main() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+            queued = asyncio.create_task(asyncio.to_thread(post, "queued"))
+            while live.engine.num_pending < 1:
+                await asyncio.sleep(0.01)
+            again_held = await asyncio.to_thread(post, "held")
+            again_queued = await asyncio.to_thread(post, "queued")
+            assert live.engine.num_pending == 1  # "queued" still waits, untouched
+            rest = list(chunks)  # "held" runs to its end (it was aborted, and hung)
+            assert rest[-1].usage.completion_tokens == 1000
+            assert [c.choices[0].finish_reason for c in rest if c.choices][-1] == "length"
+            return again_held, again_queued, await queued
+
+        again_held, again_queued, queued = asyncio.run(main())
+        for r, rid in ((again_held, "held"), (again_queued, "queued")):
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["code"] == "request_id_in_use", r.text
+            assert repr(rid) in err["message"] and set(err) == {"message", "type", "param",
+                                                                  "code"}
+        assert queued.status_code == 200 and queued.json()["id"] == "queued"
+        assert queued.json()["choices"][0]["finish_reason"] == "length"
+        assert post("held").status_code == 200  # once it is done, the id is free again
+    finally:
+        live.close()
+
+
+def test_a_failed_loop_iteration_fails_its_requests_and_the_loop_goes_on(
+        chat_model: Path) -> None:  # noqa: F811
     live = LiveServer(LLM(chat_model, device_kv_bytes=4_000_000))
     try:
-        def boom() -> list:
-            raise RuntimeError("device lost")
+        engine = live.engine.engine
+        step, failed = engine.step, []
 
-        live.engine.engine.step = boom
+        def step_that_fails_once() -> list:
+            outs = step()  # the request is admitted and prefilled, then its outputs are lost
+            if not failed:
+                failed.append(True)
+                raise RuntimeError("device lost")
+            return outs
+
+        engine.step = step_that_fails_once
         r = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "a"})
         assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
         assert r.json()["error"]["type"] == "server_error"
-        assert httpx.get(live.url + "/health").status_code == 503
-        r = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "a"})
-        assert r.status_code == 503 and "crashed" in r.json()["error"]["message"]
+        assert httpx.get(live.url + "/health").status_code == 200  # was 503 forever
+        for _ in range(2):
+            ok = live.client().completions.create(model=MODEL, prompt="a", max_tokens=3)
+            assert ok.choices[0].finish_reason is not None
+        assert live.metric("specstream_engine_loop_errors_total") == 1
+        assert live.metric('specstream_requests_finished_total{finish_reason="error"}') == 1
+        assert wait_for(lambda: engine.kv.device.num_used == 0)
+        assert engine.scheduler.requests == {}
     finally:
         live.close()
+

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -146,11 +146,14 @@ def openai_app(
         job = serving.new_job(kind, req.model, [len(p) for p in prompts], stops, usage,
                               request.headers.get("x-request-id"))
         await serving.submit(backend, job, prompts, params)
-        headers = on_submit(job, req) if on_submit is not None else {}
-        if req.stream:
-            return StreamingResponse(serving.stream(backend, job),
-                                     media_type="text/event-stream", headers=headers)
-        return JSONResponse(await serving.collect(backend, job, request), headers=headers)
+        try:
+            headers = on_submit(job, req) if on_submit is not None else {}
+            if req.stream:
+                return serving.JobStream(backend, job, headers)
+            return JSONResponse(await serving.collect(backend, job, request), headers=headers)
+        except BaseException:
+            serving.close(backend, job)
+            raise
 
     async def completions(request: Request) -> Any:
         req = parse_request(CompletionRequest, await _read_json(request, config.max_body_bytes))

@@ -10,6 +10,14 @@ Backpressure: at most ``max_queue`` requests may wait for admission at a time (m
 :class:`QueueFull`, a 429), and a request not admitted within ``queue_timeout_s`` is withdrawn
 (:class:`AdmitTimeout`, a 503). Once admitted, a request runs to completion unless its client
 goes away.
+
+Request ids: ``add`` claims its ids and ``abort`` hands them back. A request whose id is still
+claimed is refused (:class:`RequestIdInUse`) before anything is sent to the loop, so a reused
+id never touches the request that holds it.
+
+Faults: an exception in one loop iteration (a step, an add, the metrics) is logged and fails
+the requests that the step may have touched (everything admitted; requests still waiting were
+not touched and stay); the loop carries on. Only ``shutdown`` stops it.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from specstream.server.metrics import ServerMetrics
 
 log = logging.getLogger("specstream.server")
 SNAPSHOT_EVERY_S = 0.25  # how often the loop copies engine metrics for /metrics
+RETRY_PAUSE_S = 0.05  # pause after a failed loop iteration
 
 
 class QueueFull(Exception):
@@ -41,6 +50,10 @@ class AdmitTimeout(Exception):
 
 class EngineDead(Exception):
     """The engine loop is not running."""
+
+
+class RequestIdInUse(ValueError):
+    """A request id is still held by a request in flight."""
 
 
 @dataclass
@@ -65,10 +78,12 @@ class AsyncEngine:
         self.metrics = metrics or ServerMetrics()
         self.num_pending = 0  # requests awaiting admission (event-loop side only)
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._claimed: set[str] = set()  # ids from add() not yet handed back (event-loop side)
         self._live: dict[str, _Pending] = {}  # loop-thread side only
         self._unadmitted: dict[str, _Pending] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._last_snapshot = 0.0  # when the loop last copied the engine's metrics
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: str | None = None
 
@@ -92,16 +107,22 @@ class AsyncEngine:
                   outputs: asyncio.Queue[RequestOutput]) -> None:
         """Add requests that share one output queue; return once all are admitted.
 
-        Raises ValueError (invalid for the engine), QueueFull, AdmitTimeout or EngineDead; on
-        any failure, and on cancellation (the client left), none of them stays in the engine.
+        Raises ValueError (invalid for the engine; RequestIdInUse), QueueFull, AdmitTimeout or
+        EngineDead; on any failure, and on cancellation (the client left), none of them stays in
+        the engine. Once it returned, the ids are claimed until ``abort`` hands them back.
         """
         if not self.alive:
             raise EngineDead(self.error or "the engine loop is not running")
+        ids = [rid for rid, _, _ in requests]
+        taken = [rid for rid in ids if rid in self._claimed]
+        if taken or len(set(ids)) < len(ids):
+            raise RequestIdInUse(f"request id {(taken or ids)[0]!r} is already in use")
         if self.num_pending + len(requests) > self.max_queue:
             self.metrics.on_reject("queue_full")
             raise QueueFull(f"the server is busy: {self.num_pending} requests are already "
                             f"waiting for admission (--max-queue {self.max_queue}); retry later")
-        items = [_Pending(rid, ids, p, outputs) for rid, ids, p in requests]
+        items = [_Pending(rid, toks, p, outputs) for rid, toks, p in requests]
+        self._claimed.update(ids)
         self.num_pending += len(items)
         try:
             for it in items:
@@ -125,29 +146,60 @@ class AsyncEngine:
             raise errors[0]
 
     def abort(self, request_ids: list[str]) -> None:
-        """Withdraw requests (no-op for finished ones); their KV is freed on both tiers."""
+        """Withdraw requests (no-op for finished ones) and hand their ids back; their KV is
+        freed on both tiers. Ids this engine does not hold are left alone."""
         for rid in request_ids:
-            self._cmds.put(("abort", rid))
+            if rid in self._claimed:
+                self._claimed.discard(rid)
+                self._cmds.put(("abort", rid))
 
     # ---- loop thread --------------------------------------------------------------------
     def _run(self) -> None:
-        last_snapshot = 0.0
         try:
             while not self._stop.is_set():
-                self._drain(block=not self.engine.has_unfinished())
-                if self.engine.has_unfinished():
-                    t0 = time.perf_counter()
-                    outs = self.engine.step()
-                    self.metrics.on_step(time.perf_counter() - t0)
-                    self._dispatch(outs)
-                self._signal_admitted()
-                if time.perf_counter() - last_snapshot > SNAPSHOT_EVERY_S:
-                    self.metrics.on_engine(self.engine.get_metrics())
-                    last_snapshot = time.perf_counter()
-        except Exception as exc:  # a bug or a device fault: fail everyone, loudly
-            log.exception("engine loop crashed")
-            self.error = f"engine loop crashed: {type(exc).__name__}: {exc}"
-        self._fail_all(self.error or "the server is shutting down")
+                try:
+                    self._iterate()
+                except Exception as exc:  # a bug or a device fault: fail what it touched
+                    self._recover(exc)
+        except BaseException as exc:  # not an error a request caused: the loop is gone
+            self.error = f"engine loop stopped: {type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self._fail_all(self.error or "the server is shutting down")
+
+    def _iterate(self) -> None:
+        """Take the commands, step, hand the outputs out."""
+        self._drain(block=not self.engine.has_unfinished())
+        if self.engine.has_unfinished():
+            t0 = time.perf_counter()
+            outs = self.engine.step()
+            self.metrics.on_step(time.perf_counter() - t0)
+            self._dispatch(outs)
+        self._signal_admitted()
+        if time.perf_counter() - self._last_snapshot > SNAPSHOT_EVERY_S:
+            self._last_snapshot = time.perf_counter()
+            self.metrics.on_engine(self.engine.get_metrics())
+
+    def _recover(self, exc: Exception) -> None:
+        """After a failed iteration: fail every request the engine may have touched (all but
+        those still waiting for admission, which no step has seen) and drop anything else it
+        still holds, so the next iteration starts from a consistent engine."""
+        log.exception("engine loop iteration failed; carrying on", exc_info=exc)
+        self.metrics.on_loop_error()
+        message = f"the engine failed: {type(exc).__name__}: {exc}"
+        try:
+            waiting = {r.request_id for r in self.engine.scheduler.waiting}
+            for rid, it in list(self._live.items()):
+                if rid not in waiting:
+                    self._fail(it, message)
+            for rid in list(self.engine.scheduler.requests):
+                if rid not in waiting:
+                    self._engine_abort(rid)
+        except Exception:  # the engine is too broken to tell: fail them all
+            log.exception("recovery failed; failing every request in the engine")
+            for it in list(self._live.values()):
+                self._fail(it, message)
+        self._stop.wait(RETRY_PAUSE_S)  # a fault that repeats does not spin
 
     def _drain(self, block: bool) -> None:
         try:
@@ -168,7 +220,7 @@ class AsyncEngine:
     def _add(self, it: _Pending) -> None:
         try:
             self.engine.add_request(it.prompt_token_ids, it.params, it.request_id)
-        except ValueError as exc:
+        except Exception as exc:  # ValueError: invalid for the engine (a 400); else a bug (500)
             it.add_error = exc
             self._call(it.admitted.set)
             return
@@ -206,18 +258,30 @@ class AsyncEngine:
         """Forget a finished request (the scheduler keeps finished ones, which would leak)."""
         self.engine.scheduler.requests.pop(rid, None)
 
+    def _fail(self, it: _Pending, message: str) -> None:
+        """End one live request with an error output (a 500, or an error event)."""
+        rid = it.request_id
+        self._engine_abort(rid)
+        self._live.pop(rid, None)
+        self._unadmitted.pop(rid, None)
+        self._release(rid)
+        comp = CompletionOutput(0, "", [], "error", error=message)
+        self._call(it.outputs.put_nowait, RequestOutput(rid, None, it.prompt_token_ids, [comp],
+                                                        True))
+        self._call(it.admitted.set)
+        self.metrics.on_finish(None, "error")
+
+    def _engine_abort(self, rid: str) -> None:
+        try:
+            self.engine.abort_request(rid)
+        except Exception:  # the engine may be broken; the clients must still hear
+            log.exception("abort of %s failed", rid)
+            self._release(rid)
+
     def _fail_all(self, message: str) -> None:
-        for rid, it in list(self._live.items()):
-            try:
-                self.engine.abort_request(rid)
-            except Exception:  # the engine may be broken; the clients must still hear
-                log.exception("abort of %s failed", rid)
-            comp = CompletionOutput(0, "", [], "error", error=message)
-            out = RequestOutput(it.request_id, None, it.prompt_token_ids, [comp], True)
-            self._call(it.outputs.put_nowait, out)
-            self._call(it.admitted.set)
-        self._live.clear()
-        self._unadmitted.clear()
+        """At shutdown: fail every request, those not yet added too."""
+        for it in list(self._live.values()):
+            self._fail(it, message)
         while True:  # adds that never reached the engine
             try:
                 kind, arg = self._cmds.get_nowait()

@@ -56,6 +56,7 @@ class ServerMetrics:
                              "Time from arrival in the engine to the last token.")
         self.finished: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
+        self.loop_errors = 0
         self.engine: dict[str, Any] = {}
         self.busy_s = 0.0  # wall time spent inside engine.step()
         # (time, generated tokens, link busy s, engine busy s) samples for windowed rates
@@ -78,6 +79,10 @@ class ServerMetrics:
                 self.tpot.observe(m["tpot_s"])
             if "arrival_time" in m:
                 self.e2e.observe(time.perf_counter() - m["arrival_time"])
+
+    def on_loop_error(self) -> None:
+        with self._lock:
+            self.loop_errors += 1
 
     def on_engine(self, engine_metrics: dict[str, Any]) -> None:
         now = time.perf_counter()
@@ -152,6 +157,9 @@ class ServerMetrics:
             metric("specstream_requests_rejected_total", "counter",
                    "HTTP requests refused by backpressure, by reason.",
                    [(f'{{reason="{k}"}}', v) for k, v in sorted(self.rejected.items())])
+            metric("specstream_engine_loop_errors_total", "counter",
+                   "Engine loop iterations that failed (their requests failed, the loop went on).",
+                   [("", self.loop_errors)])
             for h in (self.ttft, self.tpot, self.e2e):
                 out.extend(h.render())
         return "\n".join(out) + "\n"

@@ -81,14 +81,12 @@ class EngineReplica:
         lists of the newest (cumulative) output per sub-request until all have finished.
         Cancelling the stream aborts the sub-requests.
         """
-        from specstream.server.async_engine import AdmitTimeout, EngineDead, QueueFull
-
         self._start()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         ids = [r[0] for r in requests]
         try:
             await self.engine.add(requests, outputs)
-        except (ValueError, QueueFull, AdmitTimeout, EngineDead) as exc:
+        except Exception as exc:  # refused (ValueError, QueueFull, ...) or a bug: not a death
             yield ("error", type(exc).__name__, str(exc))
             return
         yield ("admitted", self.replica_id)
@@ -134,7 +132,7 @@ class EngineReplica:
                 "max_model_len": self.llm.engine.max_model_len}
 
     def check_health(self) -> None:
-        """Serve replaces a replica whose engine loop crashed."""
+        """Serve replaces a replica whose engine loop has stopped."""
         if self._started and not self.engine.alive:
             raise RuntimeError(self.engine.error or "the engine loop stopped")
 
@@ -209,6 +207,10 @@ class ReplicaPool:
 
     async def add(self, requests: list[SubRequest], outputs: asyncio.Queue[Any]) -> None:
         """Route the job and return once a replica admitted it (AsyncEngine.add's contract)."""
+        from specstream.server.async_engine import RequestIdInUse
+
+        if requests[0][0] in self.jobs:  # sub-request ids are <api id>-<k>: the api id is taken
+            raise RequestIdInUse(f"request id {requests[0][0]!r} is already in use")
         job = RemoteJob(self, requests, outputs)
         self.jobs[requests[0][0]] = job
         try:
@@ -250,10 +252,15 @@ class RemoteJob:
         A replica that fails before admitting (it died, or its engine did) is skipped: Serve
         routes the next attempt elsewhere once it has seen the death.
         """
-        from specstream.server.async_engine import AdmitTimeout, EngineDead, QueueFull
+        from specstream.server.async_engine import (
+            AdmitTimeout,
+            EngineDead,
+            QueueFull,
+            RequestIdInUse,
+        )
 
-        errors = {"ValueError": ValueError, "QueueFull": QueueFull,
-                  "AdmitTimeout": AdmitTimeout, "EngineDead": EngineDead}
+        errors = {"ValueError": ValueError, "QueueFull": QueueFull, "AdmitTimeout": AdmitTimeout,
+                  "EngineDead": EngineDead, "RequestIdInUse": RequestIdInUse}
         todo = [r for r in self.requests if r[0] not in self.finished]
         while True:
             self.attempts += 1

@@ -4,6 +4,9 @@ One API request becomes ``len(prompts) * n`` engine requests (ids ``<base>-<k>``
 ``seed + i`` as in :meth:`LLM.generate`) that share one output queue. Streams send text deltas;
 text that could still turn out to be the start of a stop string, or an incomplete UTF-8
 character, is held back until it is settled, so the streamed text always equals the final text.
+
+A job's ids are the engine's while it is open: :func:`close` (called once, however the response
+ends) hands them back. Closing twice could abort a newer request that reused the ids.
 """
 
 from __future__ import annotations
@@ -18,10 +21,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from specstream.engine.request import RequestOutput
 from specstream.sampling_params import SamplingParams
-from specstream.server.async_engine import AdmitTimeout, AsyncEngine, EngineDead, QueueFull
+from specstream.server.async_engine import (
+    AdmitTimeout,
+    AsyncEngine,
+    EngineDead,
+    QueueFull,
+    RequestIdInUse,
+)
 from specstream.server.protocol import APIError, ChatCompletionRequest, server_error
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming handler checks that its client is there
@@ -39,6 +50,7 @@ class Job:
     stops: tuple[str, ...]
     outputs: asyncio.Queue[RequestOutput]
     include_usage: bool = False
+    closed: bool = False  # its ids went back to the engine (see ``close``)
 
 
 def sampling_params(req: Any, prompt_len: int, max_model_len: int, param: str) -> SamplingParams:
@@ -69,7 +81,11 @@ def sampling_params(req: Any, prompt_len: int, max_model_len: int, param: str) -
 
 async def submit(engine: AsyncEngine, job: Job, prompts: list[list[int]],
                  params: list[SamplingParams]) -> None:
-    """Add every sub-request of ``job``; map engine refusals to HTTP errors."""
+    """Add every sub-request of ``job``; map engine refusals to HTTP errors.
+
+    On success the job is open: the caller must :func:`close` it. On failure nothing of it
+    stays in the engine (and nothing else was touched: a refused job never aborts anything).
+    """
     subs: list[tuple[str, list[int], SamplingParams]] = []
     for ids, p in zip(prompts, params):
         for i in range(p.n):
@@ -79,12 +95,41 @@ async def submit(engine: AsyncEngine, job: Job, prompts: list[list[int]],
     job.request_ids = [s[0] for s in subs]
     try:
         await engine.add(subs, job.outputs)
+    except RequestIdInUse:
+        raise APIError(400, f"The request id {job.api_id!r} (X-Request-Id) is already in use "
+                            "by a request in flight; send a unique id.",
+                       code="request_id_in_use") from None
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
     except QueueFull as exc:
         raise APIError(429, str(exc), type="rate_limit_error") from None
     except (AdmitTimeout, EngineDead) as exc:
         raise APIError(503, str(exc), type="server_error") from None
+    except Exception as exc:  # a bug behind the engine's interface: still an OpenAI body
+        raise server_error(f"the engine could not take the request: "
+                           f"{type(exc).__name__}: {exc}") from None
+
+
+def close(engine: AsyncEngine, job: Job) -> None:
+    """Give the job's ids back (aborting what still runs); only the first call does anything."""
+    if not job.closed:
+        job.closed = True
+        engine.abort(job.request_ids)
+
+
+class JobStream(StreamingResponse):
+    """The server-sent events of an open job; closes the job however the response ends, even
+    when the body was never iterated (the client left before the first byte)."""
+
+    def __init__(self, engine: AsyncEngine, job: Job, headers: dict[str, str]) -> None:
+        super().__init__(stream(engine, job), media_type="text/event-stream", headers=headers)
+        self.engine, self.job = engine, job
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close(self.engine, self.job)
 
 
 def new_job(kind: str, model: str, prompt_lens: list[int], stops: tuple[str, ...],
@@ -113,7 +158,7 @@ async def collect(engine: AsyncEngine, job: Job, request: Request) -> dict[str, 
                 if out.outputs[0].finish_reason == "error":
                     raise server_error(out.outputs[0].error or "the request failed")
     finally:
-        engine.abort(job.request_ids)  # no-op for the finished ones
+        close(engine, job)  # a no-op in the engine for the finished ones
     outs = [final[rid].outputs[0] for rid in job.request_ids]
     choices = []
     for i, o in enumerate(outs):
@@ -125,7 +170,7 @@ async def collect(engine: AsyncEngine, job: Job, request: Request) -> dict[str, 
 
 
 async def stream(engine: AsyncEngine, job: Job) -> AsyncIterator[str]:
-    """Server-sent events: deltas per choice, an error event on failure, then ``[DONE]``."""
+    """Server-sent events: deltas per choice (or an error event on failure), then ``[DONE]``."""
     obj = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
     index = {rid: i for i, rid in enumerate(job.request_ids)}
     sent = [""] * len(index)
@@ -163,6 +208,7 @@ async def stream(engine: AsyncEngine, job: Job) -> AsyncIterator[str]:
                 if o.finish_reason == "error":
                     err = server_error(o.error or "the request failed")
                     yield _sse(err.body())
+                    yield "data: [DONE]\n\n"
                     return
                 tokens[i] = len(o.token_ids)
                 text = o.text if out.finished else _settled(o.text, job.stops)
@@ -177,7 +223,7 @@ async def stream(engine: AsyncEngine, job: Job) -> AsyncIterator[str]:
             yield _sse({**_head(job, obj), "choices": [], "usage": _usage(job, tokens)})
         yield "data: [DONE]\n\n"
     finally:  # normal end, error, or the client went away (cancellation)
-        engine.abort(job.request_ids)
+        close(engine, job)
 
 
 def _settled(text: str, stops: tuple[str, ...]) -> str:
