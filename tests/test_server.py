@@ -241,7 +241,23 @@ def test_32_concurrent_streams_equal_offline(server: LiveServer, offline: LLM) -
     ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs"),
     ({"model": MODEL, "prompt": [99999]}, 400, None),
     ({"model": MODEL, "prompt": "x" * 30_000}, 413, None),
-])
+    # lone surrogates are valid JSON escapes but not Unicode (were a plain-text 500)
+    ({"model": MODEL, "prompt": "def \ud800"}, 400, "prompt"),
+    ({"model": MODEL, "prompt": ["ok", "\udfff"]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x", "stop": ["\ud800"]}, 400, "stop"),
+    ({"model": "\ud800", "prompt": "x"}, 400, "model"),
+    # more completions than --max-queue could ever hold: not "busy" (was a 429)
+    ({"model": MODEL, "prompt": ["x"] * 20, "n": 16}, 400, "n"),
+    # out of the engine's 64-bit range (seeds were an overflow error)
+    ({"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed"),
+    ({"model": MODEL, "prompt": "x", "seed": -2**63 - 1}, 400, "seed"),
+    ({"model": MODEL, "prompt": "x", "top_k": 2**63}, 400, "top_k"),
+    # not JSON, though Python's json module reads them (were 400s by luck, or 500s)
+    (b'{"model": "tiny", "prompt": "x", "temperature": NaN}', 400, None),
+    (b'{"model": "tiny", "prompt": "x", "top_p": 1e999}', 400, None),
+    (b'{"model": "tiny", "prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", 400, None),
+    (b"[" * 15_000, 400, None),
+], ids=lambda v: repr(v[:24]) + "..." if isinstance(v, bytes) and len(v) > 60 else None)
 def test_bad_input_gets_openai_error(server: LiveServer, body: Any, status: int,
                                      param: str | None) -> None:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -259,6 +275,10 @@ def test_bad_chat_and_unknown_route(server: LiveServer) -> None:
     r = httpx.post(server.url + "/v1/chat/completions",
                    json={"model": MODEL, "messages": [{"role": "user"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(server.url + "/v1/chat/completions", content=json.dumps({
+        "model": MODEL, "messages": [{"role": "user", "content": "hi \ud800"}]}))
+    err = r.json()["error"]  # was a 400 with the tokenizer's raw message
+    assert r.status_code == 400 and err["param"] == "messages" and "Unicode" in err["message"]
     chunked = httpx.post(server.url + "/v1/completions", content=iter([b"{" + b" " * 15_000] * 2))
     assert chunked.status_code == 413  # no Content-Length: counted as it arrives
     r = httpx.get(server.url + "/v1/nothing")
@@ -266,6 +286,19 @@ def test_bad_chat_and_unknown_route(server: LiveServer) -> None:
     with pytest.raises(openai.NotFoundError):
         server.client().chat.completions.create(model="nope", messages=[
             {"role": "user", "content": "hi"}])
+
+
+def test_content_type(server: LiveServer) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
+        for route in ("/v1/completions", "/v1/chat/completions"):
+            r = httpx.post(server.url + route, content=body, headers={"content-type": ctype})
+            assert r.status_code == 415, (ctype, r.text)  # was served as JSON
+            assert r.json()["error"]["code"] == "unsupported_media_type"
+    for ctype in (None, "application/json; charset=utf-8", "Application/JSON"):
+        headers = {"content-type": ctype} if ctype else {}  # none at all: read as JSON
+        r = httpx.post(server.url + "/v1/completions", content=body, headers=headers)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"], (ctype, r.text)
 
 
 def test_serve_command_defaults_to_loopback() -> None:

@@ -1,5 +1,5 @@
 """The server under faults: cancelled streams, a failed KV transfer, backpressure, API keys,
-reused request ids, a failed engine-loop iteration.
+reused request ids, a failed engine-loop iteration, extreme seeds.
 
 An offloading mode (``stream``, small blocks and thresholds) keeps the host tier in use, so a
 leak on either tier shows up in ``engine.kv.{device,host}.num_used``.
@@ -251,3 +251,21 @@ def test_a_failed_loop_iteration_fails_its_requests_and_the_loop_goes_on(
     finally:
         live.close()
 
+
+def test_extreme_seed_with_the_draft_proposer(chat_model: Path) -> None:  # noqa: F811
+    # the tiny model drafts for itself; seeds near 2**64 overflowed (seed + i, seed + 0x5EED)
+    live = LiveServer(LLM(chat_model, draft_model=chat_model, proposer="draft",
+                          num_speculative_tokens=2, device_kv_bytes=4_000_000))
+    try:
+        for n in (1, 2):
+            r = httpx.post(live.url + "/v1/completions", timeout=30, json={
+                "model": MODEL, "prompt": "def f(x):", "max_tokens": 8, "temperature": 0.8,
+                "seed": 2**64 - 1, "n": n})
+            assert r.status_code == 200, r.text
+            assert [c["index"] for c in r.json()["choices"]] == list(range(n))
+        r = httpx.post(live.url + "/v1/completions", json={
+            "model": MODEL, "prompt": "x", "max_tokens": 2, "seed": 2**64})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+        assert httpx.get(live.url + "/health").status_code == 200
+    finally:
+        live.close()

@@ -7,7 +7,6 @@ engine-loop thread; ``specstream serve`` runs it with uvicorn.
 from __future__ import annotations
 
 import hmac
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -26,6 +25,7 @@ from specstream.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    decode_json,
     parse_request,
 )
 
@@ -85,16 +85,24 @@ def _too_large(limit: int) -> APIError:
 
 
 async def _read_json(request: Request, limit: int) -> Any:
-    """The body as JSON; bodies without Content-Length are counted as they arrive."""
+    """The body as JSON; bodies without Content-Length are counted as they arrive.
+
+    A Content-Type other than JSON is a 415; none at all is read as JSON, as vLLM and OpenAI
+    do (``curl --data-binary`` and hand-written clients often send none).
+    """
+    ctype = request.headers.get("content-type", "").strip()
+    media = ctype.split(";", 1)[0].strip().lower()
+    if media and media != "application/json" and not (
+            media.startswith("application/") and media.endswith("+json")):
+        raise APIError(415, f"Unsupported Content-Type {ctype[:100]!r}: send the body as JSON "
+                            "with 'Content-Type: application/json'.",
+                       code="unsupported_media_type")
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
             raise _too_large(limit)
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"The request body is not valid JSON: {exc}") from None
+    return decode_json(bytes(body))
 
 
 SubmitHook = Callable[[Any, Any], dict[str, str]]  # (job, parsed request) -> response headers
@@ -140,6 +148,12 @@ def openai_app(
 
     async def respond(request: Request, req: Any, kind: str, prompts: list[list[int]],
                       param: str) -> Any:
+        total = len(prompts) * req.n
+        if total > config.max_queue:  # not "busy" (429): retrying could never help
+            raise APIError(400, f"This request asks for {total} completions ({len(prompts)} "
+                                f"prompt(s) x n={req.n}), more than the server ever queues at "
+                                f"once (--max-queue {config.max_queue}); send fewer prompts "
+                                "or a smaller n.", param="n" if req.n > 1 else param)
         params = [serving.sampling_params(req, len(p), max_len, param) for p in prompts]
         usage = bool(req.stream_options and req.stream_options.include_usage)
         stops = tuple(params[0].stop or ())  # normalised to a tuple by SamplingParams

@@ -113,6 +113,9 @@ class AsyncEngine:
         """
         if not self.alive:
             raise EngineDead(self.error or "the engine loop is not running")
+        if len(requests) > self.max_queue:  # would be refused even on an idle server
+            raise ValueError(f"{len(requests)} requests at once are more than the server ever "
+                             f"queues (--max-queue {self.max_queue})")
         ids = [rid for rid, _, _ in requests]
         taken = [rid for rid in ids if rid in self._claimed]
         if taken or len(set(ids)) < len(ids):

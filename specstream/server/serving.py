@@ -1,9 +1,10 @@
 """Completions and chat completions: prompts -> engine requests -> JSON or server-sent events.
 
 One API request becomes ``len(prompts) * n`` engine requests (ids ``<base>-<k>``, seeds
-``seed + i`` as in :meth:`LLM.generate`) that share one output queue. Streams send text deltas;
-text that could still turn out to be the start of a stop string, or an incomplete UTF-8
-character, is held back until it is settled, so the streamed text always equals the final text.
+``derive_seed(seed, i)`` as in :meth:`LLM.generate`) that share one output queue. Streams send
+text deltas; text that could still turn out to be the start of a stop string, or an incomplete
+UTF-8 character, is held back until it is settled, so the streamed text always equals the final
+text.
 
 A job's ids are the engine's while it is open: :func:`close` (called once, however the response
 ends) hands them back. Closing twice could abort a newer request that reused the ids.
@@ -25,7 +26,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from specstream.engine.request import RequestOutput
-from specstream.sampling_params import SamplingParams
+from specstream.sampling_params import SamplingParams, derive_seed
 from specstream.server.async_engine import (
     AdmitTimeout,
     AsyncEngine,
@@ -36,6 +37,7 @@ from specstream.server.async_engine import (
 from specstream.server.protocol import APIError, ChatCompletionRequest, server_error
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming handler checks that its client is there
+TOP_K_MAX = (1 << 63) - 1
 
 
 @dataclass
@@ -71,11 +73,14 @@ def sampling_params(req: Any, prompt_len: int, max_model_len: int, param: str) -
     if not 0.0 <= req.temperature <= 2.0:
         raise APIError(400, f"temperature must be in [0, 2], got {req.temperature}",
                        param="temperature")
+    if req.top_k > TOP_K_MAX:  # the engine keeps top_k in an int64 tensor
+        raise APIError(400, f"top_k must be -1, 0 (off) or in [1, {TOP_K_MAX}], got {req.top_k}",
+                       param="top_k")
     try:
         return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               seed=req.seed, max_tokens=max_tokens, stop=req.stop,
                               ignore_eos=req.ignore_eos, n=req.n)
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # the message starts with the field's name
         raise APIError(400, str(exc), param=str(exc).split()[0]) from None
 
 
@@ -89,7 +94,7 @@ async def submit(engine: AsyncEngine, job: Job, prompts: list[list[int]],
     subs: list[tuple[str, list[int], SamplingParams]] = []
     for ids, p in zip(prompts, params):
         for i in range(p.n):
-            seed = None if p.seed is None else p.seed + i
+            seed = None if p.seed is None else derive_seed(p.seed, i)
             sub = p if p.n == 1 else dataclasses.replace(p, n=1, seed=seed)
             subs.append((f"{job.api_id}-{len(subs)}", ids, sub))
     job.request_ids = [s[0] for s in subs]
