@@ -167,10 +167,10 @@ async def server_metrics(client: httpx.AsyncClient) -> dict[str, float]:
     keep = ("specstream_spec_mean_accepted_len", "specstream_spec_acceptance_rate",
             "specstream_generation_tokens_total", "specstream_kv_host_used_bytes")
     out = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in keep:
-            out[name.removeprefix("specstream_")] = float(value)
+    for line in text.splitlines():  # `name{model_name="..."} value`; these have no other label
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in keep and not line.startswith("#"):
+            out[name.removeprefix("specstream_")] = float(line.rsplit(" ", 1)[1])
     return out
 
 

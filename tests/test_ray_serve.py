@@ -20,14 +20,22 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from test_server import ENGINE, MODEL, PROMPTS, chat_model, greedy  # noqa: E402, F401
+from test_server import (  # noqa: E402
+    ENGINE,
+    MODEL,
+    PROMPTS,
+    chat_model,  # noqa: F401
+    greedy,
+    parse_metrics,
+)
 
 from specstream import LLM, CompletionOutput, RequestOutput, SamplingParams  # noqa: E402
+from specstream.server.metrics import MetricsExporter, ServerMetrics  # noqa: E402
 from specstream.server.ray_serve import (  # noqa: E402
     APP_NAME,
     REPLICA_HEADER,
     ReplicaPool,
-    merge_prometheus,
+    pool_metrics,
     rank_by_free_host_kv,
     serve_parser,
 )
@@ -44,15 +52,51 @@ def test_ranking_prefers_most_free_host_kv() -> None:
     assert rank_by_free_host_kv({"a": 0.0, "b": 0.0}, 0.0) == [["a", "b"]]  # no host tier
 
 
-def test_merge_prometheus_sums_and_averages() -> None:
-    one = ('# HELP x_total X.\n# TYPE x_total counter\nx_total{k="a"} 2\n'
-           "# HELP y_acceptance_rate Y.\n# TYPE y_acceptance_rate gauge\ny_acceptance_rate 0.5\n")
-    two = ('# HELP x_total X.\n# TYPE x_total counter\nx_total{k="a"} 3\nx_total{k="b"} 1\n'
-           "# HELP y_acceptance_rate Y.\n# TYPE y_acceptance_rate gauge\ny_acceptance_rate 0.7\n")
-    lines = merge_prometheus([one, two]).splitlines()
-    assert lines[:4] == ["# HELP x_total X.", "# TYPE x_total counter", 'x_total{k="a"} 5',
-                         'x_total{k="b"} 1']  # a label only one replica has stays in its family
-    assert lines[-1] == "y_acceptance_rate 0.6"
+def replica_snapshot(proposed: int, accepted: int, per_pos: list[int], finished: dict[str, int],
+                     kv: tuple[int, int], link_util: float) -> dict[str, Any]:
+    m = ServerMetrics()
+    m.on_engine({"num_drafts": proposed // 2, "proposed_tokens": proposed,
+                 "accepted_tokens": accepted, "rounds": proposed // 2,
+                 "accepted_per_pos": per_pos, "device_kv_blocks_used": kv[0],
+                 "device_kv_blocks_total": kv[1], "link_bytes_h2d": 2**40 + 1})
+    for reason, n in finished.items():
+        for _ in range(n):
+            m.on_finish(None, reason)
+    m.histograms["ttft"].observe(0.02)
+    snap = m.snapshot(pending_admission=1)
+    snap["mean"]["link_utilisation"] = link_util
+    return snap
+
+
+def test_replica_metrics_are_summed_into_one_exposition() -> None:
+    one = replica_snapshot(10, 4, [3, 1], {"stop": 2}, (5, 10), 0.5)
+    two = replica_snapshot(20, 12, [8, 3, 1], {"stop": 1, "length": 4}, (15, 30), 0.7)
+    pool = ReplicaPool(FakeReplicas([]), max_retries=2,  # type: ignore[arg-type]
+                       admit_timeout_s=1.0)
+    pool.routed = {"r1": 3, "r2": 5}
+    exporter = MetricsExporter(MODEL)
+    snaps = [{"replica": "r1", "host_kv_free_bytes": 7, "running": 1, "finished": 2},
+             {"replica": "r2", "host_kv_free_bytes": 9, "running": 0, "finished": 5}]
+    m = parse_metrics(exporter.render([one, two], pool_metrics(exporter, pool, snaps)).decode())
+    assert m["specstream_spec_decode_num_draft_tokens_total"] == 30
+    assert m["specstream_spec_decode_num_accepted_tokens_total"] == 16
+    # positions only one replica has stay, sums per position
+    assert [m[f'specstream_spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}']
+            for i in range(3)] == [11, 4, 1]
+    assert m["specstream_spec_acceptance_rate"] == pytest.approx(16 / 30)  # of the sums
+    assert m['specstream_kv_cache_usage_perc{tier="device"}'] == pytest.approx(20 / 40)
+    assert m['specstream_link_bytes_total{direction="h2d"}'] == 2 * (2**40 + 1)  # exact
+    assert m['specstream_requests_finished_total{finish_reason="stop"}'] == 3
+    assert m['specstream_requests_finished_total{finish_reason="length"}'] == 4
+    assert m["specstream_link_utilisation"] == pytest.approx(0.6)  # ratios: averaged
+    assert m["specstream_requests_pending_admission"] == 2
+    assert m["specstream_time_to_first_token_seconds_count"] == 2
+    assert m["specstream_ray_replicas"] == 2
+    assert m['specstream_ray_requests_routed_total{replica="r2"}'] == 5
+    assert m['specstream_ray_replica_requests_finished_total{replica="r1"}'] == 2
+    # no replica answered: the ingress's own series still render
+    assert parse_metrics(exporter.render([], pool_metrics(exporter, pool, [])).decode())[
+        "specstream_ray_replicas"] == 0
 
 
 # ---- the ingress's retry policy, against fake replicas (no Ray needed) ----------------------
@@ -192,9 +236,7 @@ class RayServer:
         return self.engines.broadcast("info").results(timeout_s=60)
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=TIMEOUT).text
-        return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1])
-                for ln in text.splitlines() if ln and not ln.startswith("#")}
+        return parse_metrics(httpx.get(self.url + "/metrics", timeout=TIMEOUT).text)
 
     def close(self) -> None:
         import ray

@@ -106,8 +106,10 @@ class LiveServer:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0, **kw)
 
     def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics").text
-        return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name))
+        """The sum of the samples whose ``name{labels}`` key (see ``parse_metrics``) starts
+        with ``name``."""
+        samples = parse_metrics(httpx.get(self.url + "/metrics").text)
+        return sum(v for k, v in samples.items() if k.startswith(name))
 
     def close(self) -> None:
         self.server.should_exit = True
@@ -129,6 +131,22 @@ def offline(chat_model: Path) -> Iterator[LLM]:
     llm.close()
 
 
+def parse_metrics(text: str, model: str = MODEL) -> dict[str, float]:
+    """Prometheus text (parsed by prometheus-client, so it must be valid) as a dict keyed
+    ``name{label="value",...}``, labels sorted; every sample must carry ``model_name=model``,
+    which the keys leave out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = dict(s.labels)
+            assert labels.pop("model_name", None) == model, s
+            inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            out[s.name + (f"{{{inner}}}" if inner else "")] = s.value
+    return out
+
+
 def greedy(llm: LLM, prompts: list[Any], max_tokens: int) -> list[Any]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -137,12 +155,34 @@ def greedy(llm: LLM, prompts: list[Any], max_tokens: int) -> list[Any]:
 def test_models_health_metrics(server: LiveServer) -> None:
     assert [m.id for m in server.client().models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
-    text = httpx.get(server.url + "/metrics").text
+    server.client().completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=12,
+                                       temperature=0)
+    r = httpx.get(server.url + "/metrics")
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    m = parse_metrics(r.text)  # valid Prometheus text, every series labelled with the model
     for name in ("specstream_requests_running", "specstream_kv_host_used_bytes",
                  "specstream_generation_tokens_per_second", "specstream_spec_acceptance_rate",
-                 'specstream_link_bytes_total{direction="h2d"}', "specstream_link_utilisation",
-                 "specstream_time_to_first_token_seconds_bucket", "# TYPE "):
-        assert name in text
+                 "specstream_spec_mean_accepted_len", "specstream_link_utilisation",
+                 'specstream_link_bytes_total{direction="h2d"}',
+                 'specstream_link_bytes_total{direction="d2h"}',
+                 'specstream_time_to_first_token_seconds_bucket{le="+Inf"}',
+                 'specstream_requests_finished_total{finish_reason="length"}'):
+        assert name in m, name
+    for tier in ("device", "host"):
+        used = m[f'specstream_kv_cache_blocks_used{{tier="{tier}"}}']
+        total = m[f'specstream_kv_cache_blocks_total{{tier="{tier}"}}']
+        assert m[f'specstream_kv_cache_usage_perc{{tier="{tier}"}}'] == (
+            used / total if total else 0.0)
+    assert m['specstream_kv_cache_blocks_total{tier="device"}'] > 0
+    # n-gram speculation (q = 3) ran: vLLM's spec-decode counters, per position too
+    drafts = m["specstream_spec_decode_num_drafts_total"]
+    proposed = m["specstream_spec_decode_num_draft_tokens_total"]
+    accepted = m["specstream_spec_decode_num_accepted_tokens_total"]
+    per_pos = [m[f'specstream_spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}']
+               for i in range(3)]
+    assert 0 < drafts <= proposed <= 3 * drafts and accepted <= proposed
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+    assert m["specstream_spec_acceptance_rate"] == pytest.approx(accepted / proposed)
 
 
 def test_completions_equal_offline_greedy(server: LiveServer, offline: LLM) -> None:
@@ -330,3 +370,4 @@ def test_serve_load_bench_runs_against_the_server(server: LiveServer, tmp_path: 
     assert rc == 0 and (record["sent"], record["completed"], record["failed"]) == (12, 12, 0)
     assert record["output_throughput"] > 0 and record["ttft_ms"]["p50"] > 0
     assert record["tpot_ms"]["p99"] >= record["tpot_ms"]["p50"] > 0
+    assert record["server"]["generation_tokens_total"] >= 12  # read from the labelled /metrics

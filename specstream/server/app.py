@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specstream.llm import LLM
 from specstream.server import serving
 from specstream.server.async_engine import AsyncEngine
+from specstream.server.metrics import CONTENT_TYPE, MetricsExporter
 from specstream.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -114,7 +115,7 @@ def openai_app(
     max_len: int,
     backend: Any,
     health: Callable[[], Awaitable[JSONResponse]],
-    metrics: Callable[[], Awaitable[str]],
+    metrics: Callable[[], Awaitable[bytes]],
     on_submit: SubmitHook | None = None,
     **fastapi_kwargs: Any,
 ) -> FastAPI:
@@ -206,8 +207,8 @@ def openai_app(
     async def health_route(request: Request) -> JSONResponse:
         return await health()
 
-    async def metrics_route(request: Request) -> PlainTextResponse:
-        return PlainTextResponse(await metrics(), media_type="text/plain; version=0.0.4")
+    async def metrics_route(request: Request) -> Response:
+        return Response(await metrics(), media_type=CONTENT_TYPE)
 
     for path, endpoint, method in [
         ("/v1/completions", completions, "POST"), ("/v1/chat/completions", chat, "POST"),
@@ -233,8 +234,10 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
             return JSONResponse({"status": "error", "error": engine.error}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    async def metrics() -> str:
-        return engine.metrics.render(engine.num_pending)
+    exporter = MetricsExporter(config.model_name)
+
+    async def metrics() -> bytes:
+        return exporter.render([engine.metrics.snapshot(engine.num_pending)])
 
     app = openai_app(config, llm.engine.tokenizer, llm.engine.max_model_len, engine, health,
                      metrics, title="SpecStream", lifespan=lifespan)

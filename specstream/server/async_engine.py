@@ -173,15 +173,19 @@ class AsyncEngine:
     def _iterate(self) -> None:
         """Take the commands, step, hand the outputs out."""
         self._drain(block=not self.engine.has_unfinished())
+        outs: list[RequestOutput] = []
         if self.engine.has_unfinished():
             t0 = time.perf_counter()
             outs = self.engine.step()
             self.metrics.on_step(time.perf_counter() - t0)
-            self._dispatch(outs)
-        self._signal_admitted()
-        if time.perf_counter() - self._last_snapshot > SNAPSHOT_EVERY_S:
+        # periodically, and before the last outputs of a busy spell reach their clients (so
+        # a client that got its answer finds it counted in /metrics)
+        idle = bool(outs) and not self.engine.has_unfinished()
+        if idle or time.perf_counter() - self._last_snapshot > SNAPSHOT_EVERY_S:
             self._last_snapshot = time.perf_counter()
             self.metrics.on_engine(self.engine.get_metrics())
+        self._dispatch(outs)
+        self._signal_admitted()
 
     def _recover(self, exc: Exception) -> None:
         """After a failed iteration: fail every request the engine may have touched (all but
@@ -243,11 +247,11 @@ class AsyncEngine:
             it = self._live.get(out.request_id)
             if it is None:
                 continue
-            self._call(it.outputs.put_nowait, out)
-            if out.finished:
+            if out.finished:  # counted before its client can hear of it
                 del self._live[out.request_id]
                 self._release(out.request_id)
                 self.metrics.on_finish(out, out.outputs[0].finish_reason or "stop")
+            self._call(it.outputs.put_nowait, out)
 
     def _signal_admitted(self) -> None:
         requests = self.engine.scheduler.requests
@@ -268,11 +272,11 @@ class AsyncEngine:
         self._live.pop(rid, None)
         self._unadmitted.pop(rid, None)
         self._release(rid)
+        self.metrics.on_finish(None, "error")
         comp = CompletionOutput(0, "", [], "error", error=message)
         self._call(it.outputs.put_nowait, RequestOutput(rid, None, it.prompt_token_ids, [comp],
                                                         True))
         self._call(it.admitted.set)
-        self.metrics.on_finish(None, "error")
 
     def _engine_abort(self, rid: str) -> None:
         try:

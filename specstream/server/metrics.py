@@ -1,8 +1,15 @@
-"""Server metrics in the Prometheus text format (no client library needed).
+"""Server metrics: what the engine loop and the HTTP side count, exported with prometheus-client.
 
-The engine-loop thread feeds this object (step times, finished requests, engine counters); HTTP
-handlers feed rejections; ``GET /metrics`` renders it. One lock guards it all: updates are a few
-additions, far cheaper than a step.
+:class:`ServerMetrics` is the state of one engine (fed by its loop thread and its HTTP handlers;
+one lock guards it, updates are a few additions). ``snapshot()`` turns it into plain data (no
+objects, so a Ray replica can send it to the ingress). :class:`MetricsExporter` owns the
+server's one ``CollectorRegistry``: at each scrape it renders the sum of one or more snapshots
+(one in the single-process server, one per replica behind the Ray ingress), plus any extra
+families the caller adds. Every series carries a ``model_name`` label, as vLLM's do.
+
+Names follow vLLM's with a ``specstream_`` prefix (``specstream_spec_decode_num_drafts_total``
+is vLLM's ``vllm:spec_decode_num_drafts``). The engine keeps cumulative totals, so counters are
+exported from the latest totals by a custom collector instead of being incremented here.
 """
 
 from __future__ import annotations
@@ -11,49 +18,59 @@ import bisect
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable, Iterator
 from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from specstream.engine.request import RequestOutput
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0)
 RATE_WINDOW_S = 10.0  # tokens/s and utilisation are averaged over this window
+# the text format generate_latest writes (newer clients call it 1.0.0: the same for our names)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# (snapshot key, metric name, help) of the latency histograms
+HISTOGRAMS = (
+    ("ttft", "specstream_time_to_first_token_seconds",
+     "Time from arrival in the engine to the first generated token."),
+    ("tpot", "specstream_time_per_output_token_seconds",
+     "Mean time per generated token after the first, per request."),
+    ("e2e", "specstream_e2e_request_latency_seconds",
+     "Time from arrival in the engine to the last token."),
+)
+TIERS = ("device", "host")
+Sample = tuple[dict[str, str], float]  # (labels besides model_name, value)
 
 
 class Histogram:
-    """Cumulative-bucket histogram, rendered as ``_bucket{le=...}``, ``_sum`` and ``_count``."""
+    """Bucket counts (the last one is +Inf), sum and count; cumulated when exported."""
 
-    def __init__(self, name: str, help: str, buckets: tuple[float, ...] = LATENCY_BUCKETS):
-        self.name, self.help, self.buckets = name, help, buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
-        self.sum, self.count = 0.0, 0
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.sum += value
-        self.count += 1
 
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        total = 0
-        for le, c in zip((*map(str, self.buckets), "+Inf"), self.counts):
-            total += c
-            lines.append(f'{self.name}_bucket{{le="{le}"}} {total}')
-        lines += [f"{self.name}_sum {self.sum:.6f}", f"{self.name}_count {self.count}"]
-        return lines
+    def snapshot(self) -> dict[str, Any]:
+        return {"counts": list(self.counts), "sum": self.sum}
 
 
 class ServerMetrics:
-    """Everything ``/metrics`` reports; thread-safe."""
+    """Everything one engine reports to ``/metrics``; thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.ttft = Histogram("specstream_time_to_first_token_seconds",
-                              "Time from arrival in the engine to the first generated token.")
-        self.tpot = Histogram("specstream_time_per_output_token_seconds",
-                              "Mean time per generated token after the first, per request.")
-        self.e2e = Histogram("specstream_e2e_request_latency_seconds",
-                             "Time from arrival in the engine to the last token.")
+        self.histograms = {key: Histogram() for key, _, _ in HISTOGRAMS}
         self.finished: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
         self.loop_errors = 0
@@ -74,11 +91,11 @@ class ServerMetrics:
                 return
             m = out.metrics
             if "ttft_s" in m:
-                self.ttft.observe(m["ttft_s"])
+                self.histograms["ttft"].observe(m["ttft_s"])
             if "tpot_s" in m and len(out.outputs[0].token_ids) > 1:
-                self.tpot.observe(m["tpot_s"])
+                self.histograms["tpot"].observe(m["tpot_s"])
             if "arrival_time" in m:
-                self.e2e.observe(time.perf_counter() - m["arrival_time"])
+                self.histograms["e2e"].observe(time.perf_counter() - m["arrival_time"])
 
     def on_loop_error(self) -> None:
         with self._lock:
@@ -98,7 +115,7 @@ class ServerMetrics:
         with self._lock:
             self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
-    # ---- rendering ----------------------------------------------------------------------
+    # ---- reading ------------------------------------------------------------------------
     def rates(self) -> tuple[float, float, float]:
         """(generated tokens/s, link utilisation, engine utilisation) over the window."""
         with self._lock:
@@ -108,63 +125,179 @@ class ServerMetrics:
         dt = max(t1 - t0, 1e-9)
         return (g1 - g0) / dt, min(1.0, (l1 - l0) / dt), min(1.0, (b1 - b0) / dt)
 
-    def render(self, pending_admission: int) -> str:
+    def snapshot(self, pending_admission: int) -> dict[str, Any]:
+        """Plain data (numbers, lists, dicts) that :func:`merge_snapshots` can add up: every
+        number is summed over engines, except those under ``"mean"``, which are averaged."""
         tok_s, link_util, engine_util = self.rates()
         with self._lock:
             e = self.engine
-            out: list[str] = []
+            return {
+                "gauge": {
+                    "requests_running": e.get("running", 0),
+                    "requests_waiting": e.get("waiting", 0),
+                    "requests_pending_admission": pending_admission,
+                    "kv_device_used_bytes": e.get("device_kv_used_bytes", 0),
+                    "kv_host_used_bytes": e.get("host_kv_used_bytes", 0),
+                    "kv_device_budget_bytes": e.get("device_kv_budget_bytes", 0),
+                    "generation_tokens_per_second": tok_s,
+                },
+                "mean": {"link_utilisation": link_util, "engine_utilisation": engine_util},
+                "counter": {
+                    "prompt_tokens": e.get("prompt_tokens", 0),
+                    "generation_tokens": e.get("generated_tokens", 0),
+                    "spec_decode_num_drafts": e.get("num_drafts", 0),
+                    "spec_decode_num_draft_tokens": e.get("proposed_tokens", 0),
+                    "spec_decode_num_accepted_tokens": e.get("accepted_tokens", 0),
+                    "engine_loop_errors": self.loop_errors,
+                },
+                "spec_rounds": e.get("rounds", 0),  # for the mean accepted length
+                "accepted_per_pos": list(e.get("accepted_per_pos", [])),
+                "kv_blocks_used": {t: e.get(f"{t}_kv_blocks_used", 0) for t in TIERS},
+                "kv_blocks_total": {t: e.get(f"{t}_kv_blocks_total", 0) for t in TIERS},
+                "link_bytes": {d: e.get(f"link_bytes_{d}", 0) for d in ("h2d", "d2h")},
+                "finished": dict(self.finished),
+                "rejected": dict(self.rejected),
+                "histograms": {k: h.snapshot() for k, h in self.histograms.items()},
+            }
 
-            def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
-                out.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}"])
-                out.extend(f"{name}{labels} {_fmt(value)}" for labels, value in samples)
 
-            def gauge(name: str, help: str, value: float) -> None:
-                metric(name, "gauge", help, [("", value)])
+def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
+    """Snapshots of several engines as one: numbers summed (lists element by element, dicts key
+    by key), those under ``"mean"`` averaged."""
+    merged = _sum(snapshots)
+    merged["mean"] = {k: v / len(snapshots) for k, v in merged["mean"].items()}
+    return merged
 
-            gauge("specstream_requests_running", "Requests admitted and being decoded.",
-                  e.get("running", 0))
-            gauge("specstream_requests_waiting", "Requests in the engine waiting for KV memory.",
-                  e.get("waiting", 0))
-            gauge("specstream_requests_pending_admission",
+
+def _sum(values: list[Any]) -> Any:
+    first = values[0]
+    if isinstance(first, dict):
+        keys = dict.fromkeys(k for v in values for k in v)  # union, in first-seen order
+        return {k: _sum([v[k] for v in values if k in v]) for k in keys}
+    if isinstance(first, list):
+        width = max(len(v) for v in values)
+        return [sum(v[i] for v in values if i < len(v)) for i in range(width)]
+    return sum(values)
+
+
+class MetricsExporter:
+    """The server's one ``CollectorRegistry`` and its renderer, shared by the single-process
+    server (one snapshot) and the Ray ingress (one per replica, plus its own families)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self._snapshots: list[dict[str, Any]] = []
+        self._extra: list[Metric] = []
+        self.registry.register(self)
+
+    def render(self, snapshots: list[dict[str, Any]], extra: Iterable[Metric] = ()) -> bytes:
+        """The Prometheus text of ``snapshots`` summed, then ``extra``."""
+        self._snapshots, self._extra = snapshots, list(extra)
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._snapshots, self._extra = [], []
+
+    def describe(self) -> list[Metric]:
+        return []  # names are only known at a scrape; nothing to check for clashes
+
+    def collect(self) -> Iterator[Metric]:
+        if self._snapshots:
+            yield from self._families(merge_snapshots(self._snapshots))
+        yield from self._extra
+
+    def family(self, kind: str, name: str, help: str, samples: Iterable[Sample]) -> Metric:
+        """A gauge or counter family whose samples get the ``model_name`` label first."""
+        cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+        fam: Metric | None = None
+        for labels, value in samples:
+            if fam is None:
+                fam = cls(name, help, labels=["model_name", *labels])
+            fam.add_metric([self.model_name, *labels.values()], value)
+        return fam if fam is not None else cls(name, help, labels=["model_name"])
+
+    def _families(self, m: dict[str, Any]) -> Iterator[Metric]:
+        gauge, counter = m["gauge"], m["counter"]
+
+        def one(kind: str, name: str, help: str, value: float) -> Metric:
+            return self.family(kind, name, help, [({}, value)])
+
+        yield one("gauge", "specstream_requests_running", "Requests admitted and being decoded.",
+                  gauge["requests_running"])
+        yield one("gauge", "specstream_requests_waiting",
+                  "Requests in the engine waiting for KV memory or a batch slot.",
+                  gauge["requests_waiting"])
+        yield one("gauge", "specstream_requests_pending_admission",
                   "HTTP requests waiting to be admitted (bounded by --max-queue).",
-                  pending_admission)
-            gauge("specstream_kv_device_used_bytes", "Device KV bytes in use.",
-                  e.get("device_kv_used_bytes", 0))
-            gauge("specstream_kv_host_used_bytes", "Host KV bytes in use.",
-                  e.get("host_kv_used_bytes", 0))
-            gauge("specstream_kv_device_budget_bytes", "Device KV budget.",
-                  e.get("device_kv_budget_bytes", 0))
-            metric("specstream_prompt_tokens_total", "counter", "Prompt tokens admitted.",
-                   [("", e.get("prompt_tokens", 0))])
-            metric("specstream_generation_tokens_total", "counter", "Tokens generated.",
-                   [("", e.get("generated_tokens", 0))])
-            gauge("specstream_generation_tokens_per_second",
-                  f"Generated tokens/s over the last {RATE_WINDOW_S:g} s.", tok_s)
-            gauge("specstream_spec_acceptance_rate", "Accepted / proposed draft tokens.",
-                  e.get("acceptance_rate", 0.0))
-            gauge("specstream_spec_mean_accepted_len", "Tokens per verification round.",
-                  e.get("mean_accepted_len", 0.0))
-            metric("specstream_link_bytes_total", "counter", "Bytes moved over the host link.",
-                   [('{direction="h2d"}', e.get("link_bytes_h2d", 0)),
-                    ('{direction="d2h"}', e.get("link_bytes_d2h", 0))])
-            gauge("specstream_link_utilisation",
-                  f"Fraction of the last {RATE_WINDOW_S:g} s the host link was busy.", link_util)
-            gauge("specstream_engine_utilisation",
-                  f"Fraction of the last {RATE_WINDOW_S:g} s spent in engine steps.", engine_util)
-            metric("specstream_requests_finished_total", "counter",
-                   "Engine requests finished, by finish reason.",
-                   [(f'{{finish_reason="{k}"}}', v) for k, v in sorted(self.finished.items())])
-            metric("specstream_requests_rejected_total", "counter",
-                   "HTTP requests refused by backpressure, by reason.",
-                   [(f'{{reason="{k}"}}', v) for k, v in sorted(self.rejected.items())])
-            metric("specstream_engine_loop_errors_total", "counter",
-                   "Engine loop iterations that failed (their requests failed, the loop went on).",
-                   [("", self.loop_errors)])
-            for h in (self.ttft, self.tpot, self.e2e):
-                out.extend(h.render())
-        return "\n".join(out) + "\n"
+                  gauge["requests_pending_admission"])
+        used, total = m["kv_blocks_used"], m["kv_blocks_total"]
+        yield self.family("gauge", "specstream_kv_cache_blocks_used", "KV blocks in use, by tier.",
+                          [({"tier": t}, used[t]) for t in TIERS])
+        yield self.family("gauge", "specstream_kv_cache_blocks_total", "KV blocks, by tier.",
+                          [({"tier": t}, total[t]) for t in TIERS])
+        yield self.family("gauge", "specstream_kv_cache_usage_perc",
+                          "Fraction of KV blocks in use, by tier (1 = full).",
+                          [({"tier": t}, used[t] / total[t] if total[t] else 0.0)
+                           for t in TIERS])
+        yield one("gauge", "specstream_kv_device_used_bytes", "Device KV bytes in use.",
+                  gauge["kv_device_used_bytes"])
+        yield one("gauge", "specstream_kv_host_used_bytes", "Host KV bytes in use.",
+                  gauge["kv_host_used_bytes"])
+        yield one("gauge", "specstream_kv_device_budget_bytes", "Device KV budget.",
+                  gauge["kv_device_budget_bytes"])
+        yield one("counter", "specstream_prompt_tokens", "Prompt tokens admitted.",
+                  counter["prompt_tokens"])
+        yield one("counter", "specstream_generation_tokens", "Tokens generated.",
+                  counter["generation_tokens"])
+        yield one("gauge", "specstream_generation_tokens_per_second",
+                  f"Generated tokens/s over the last {RATE_WINDOW_S:g} s.",
+                  gauge["generation_tokens_per_second"])
+        yield from self._spec_families(m)
+        yield self.family("counter", "specstream_link_bytes", "Bytes moved over the host link.",
+                          [({"direction": d}, v) for d, v in m["link_bytes"].items()])
+        for key in ("link_utilisation", "engine_utilisation"):
+            what = "the host link was busy" if key.startswith("link") else "spent in engine steps"
+            yield one("gauge", f"specstream_{key}",
+                      f"Fraction of the last {RATE_WINDOW_S:g} s {what}.", m["mean"][key])
+        yield self.family("counter", "specstream_requests_finished",
+                          "Engine requests finished, by finish reason.",
+                          [({"finish_reason": k}, v) for k, v in sorted(m["finished"].items())])
+        yield self.family("counter", "specstream_requests_rejected",
+                          "HTTP requests refused by backpressure, by reason.",
+                          [({"reason": k}, v) for k, v in sorted(m["rejected"].items())])
+        yield one("counter", "specstream_engine_loop_errors",
+                  "Engine loop iterations that failed (their requests failed; the loop went on).",
+                  counter["engine_loop_errors"])
+        for key, name, help in HISTOGRAMS:
+            h = m["histograms"][key]
+            fam = HistogramMetricFamily(name, help, labels=["model_name"])
+            cumulative, total = [], 0
+            for le, c in zip((*map(str, LATENCY_BUCKETS), "+Inf"), h["counts"]):
+                total += c
+                cumulative.append((le, total))
+            fam.add_metric([self.model_name], cumulative, sum_value=h["sum"])
+            yield fam
 
-
-def _fmt(value: float) -> str:
-    """Integers exactly (byte counters exceed %g's precision), floats with full precision."""
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
+    def _spec_families(self, m: dict[str, Any]) -> Iterator[Metric]:
+        counter = m["counter"]
+        drafts, proposed = (counter["spec_decode_num_drafts"],
+                            counter["spec_decode_num_draft_tokens"])
+        accepted, rounds = counter["spec_decode_num_accepted_tokens"], m["spec_rounds"]
+        for name, help, value in (
+            ("num_drafts", "Verification rounds that checked draft tokens (per request).",
+             drafts),
+            ("num_draft_tokens", "Draft tokens proposed.", proposed),
+            ("num_accepted_tokens", "Draft tokens accepted.", accepted),
+        ):
+            yield self.family("counter", f"specstream_spec_decode_{name}", help, [({}, value)])
+        yield self.family("counter", "specstream_spec_decode_num_accepted_tokens_per_pos",
+                          "Accepted draft tokens by position in the draft (0 = first).",
+                          [({"position": str(i)}, v)
+                           for i, v in enumerate(m["accepted_per_pos"])])
+        yield self.family("gauge", "specstream_spec_acceptance_rate",
+                          "Accepted / proposed draft tokens, since start.",
+                          [({}, accepted / proposed if proposed else 0.0)])
+        yield self.family("gauge", "specstream_spec_mean_accepted_len",
+                          "Tokens per verification round (accepted drafts + 1), since start.",
+                          [({}, (accepted + rounds) / rounds if rounds else 0.0)])

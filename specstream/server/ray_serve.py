@@ -17,7 +17,8 @@ rank, in which Serve picks the shortest queue), so long contexts go where host m
 Failures: a job that a replica had not admitted when it died is sent to another replica. A job
 whose replica dies while it runs is retried elsewhere unless tokens may already have reached
 the client (a stream that has produced tokens); that stream gets an error event naming the
-replica. ``/metrics`` sums the replicas' metrics and adds per-replica series.
+replica. ``/metrics`` sums the replicas' metric snapshots (rendered by the single-process
+server's exporter, under its names) and adds per-replica series.
 
 Ray, FastAPI and the engine are imported where used: the CLI imports this module for its flags.
 """
@@ -38,19 +39,19 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
+    from prometheus_client.metrics_core import Metric
     from ray.serve.deployment import Application
     from ray.serve.handle import DeploymentHandle
 
     from specstream.engine.request import RequestOutput
     from specstream.sampling_params import SamplingParams
     from specstream.server.app import ServerConfig
+    from specstream.server.metrics import MetricsExporter
 
     SubRequest = tuple[str, list[int], SamplingParams]
 
 APP_NAME = "specstream"
 REPLICA_HEADER = "x-specstream-replica"  # which replica admitted the request
-# Ratios are averaged over replicas when /metrics is merged; everything else is summed.
-MEAN_METRICS = ("_acceptance_rate", "_mean_accepted_len", "_utilisation")
 K = TypeVar("K", bound=Hashable)
 
 
@@ -114,11 +115,11 @@ class EngineReplica:
                 "device_kv_free_bytes": kv.device.num_free * block}
 
     async def metrics(self) -> dict[str, Any]:
-        """This replica's Prometheus text and the numbers ``/metrics`` shows per replica."""
+        """This replica's metrics snapshot and the numbers ``/metrics`` shows per replica."""
         self._start()
         m = self.engine.metrics
         return {"replica": self.replica_id, "alive": self.engine.alive,
-                "text": m.render(self.engine.num_pending),
+                "snapshot": m.snapshot(self.engine.num_pending),
                 "running": m.engine.get("running", 0), "waiting": m.engine.get("waiting", 0),
                 "finished": sum(dict(m.finished).values()), **self.record_routing_stats()}
 
@@ -367,6 +368,9 @@ def build_ingress_app(pool: ReplicaPool, engines: DeploymentHandle, config: Serv
     from fastapi.responses import JSONResponse
 
     from specstream.server.app import openai_app
+    from specstream.server.metrics import MetricsExporter
+
+    exporter = MetricsExporter(config.model_name)
 
     def on_submit(job: Any, req: Any) -> dict[str, str]:
         remote = pool.job(job.request_ids)
@@ -381,9 +385,9 @@ def build_ingress_app(pool: ReplicaPool, engines: DeploymentHandle, config: Serv
                                 status_code=503)
         return JSONResponse({"status": "ok", "replicas": alive})
 
-    async def metrics() -> str:
+    async def metrics() -> bytes:
         snaps = await replica_metrics(engines)
-        return merge_prometheus([s["text"] for s in snaps]) + pool_metrics(pool, snaps)
+        return exporter.render([s["snapshot"] for s in snaps], pool_metrics(exporter, pool, snaps))
 
     return openai_app(config, tok, max_len, pool, health, metrics, on_submit,
                       title="SpecStream on Ray Serve")
@@ -396,69 +400,38 @@ async def replica_metrics(engines: DeploymentHandle, timeout_s: float = 5.0) -> 
     return [r for r in results if isinstance(r, dict)]
 
 
-def merge_prometheus(texts: list[str]) -> str:
-    """Prometheus texts with the same metrics merged: samples with equal name and labels are
-    summed (ratios in ``MEAN_METRICS`` averaged); families keep their HELP/TYPE and order."""
-    from specstream.server.metrics import _fmt
+def pool_metrics(exporter: MetricsExporter, pool: ReplicaPool, snaps: list[dict]
+                 ) -> list[Metric]:
+    """Per-replica series and the ingress's routing counters (``exporter``: the ingress's
+    :class:`MetricsExporter`, which labels them with the model)."""
+    def per_replica(kind: str, name: str, help: str, field: str) -> Metric:
+        return exporter.family(kind, name, help, [({"replica": s["replica"]}, s[field])
+                                                  for s in snaps])
 
-    families: dict[str, tuple[list[str], dict[str, list[float]]]] = {}
-    for text in texts:
-        family = ""
-        for line in text.splitlines():
-            if line.startswith("# HELP "):
-                family = line.split()[2]
-            if not line.strip():
-                continue
-            comments, samples = families.setdefault(family, ([], {}))
-            if line.startswith("#"):
-                if line not in comments:
-                    comments.append(line)
-            else:
-                key, value = line.rsplit(" ", 1)
-                samples.setdefault(key, []).append(float(value))
-    out = []
-    for family, (comments, samples) in families.items():
-        out += comments
-        for key, values in samples.items():
-            mean = family.endswith(MEAN_METRICS)
-            out.append(f"{key} {_fmt(sum(values) / len(values) if mean else sum(values))}")
-    return "\n".join(out) + "\n" if out else ""
+    def by_replica(name: str, help: str, counts: dict[str, int]) -> Metric:
+        return exporter.family("counter", name, help, [({"replica": r}, n)
+                                                       for r, n in sorted(counts.items())])
 
-
-def pool_metrics(pool: ReplicaPool, snaps: list[dict]) -> str:
-    """Per-replica series and the ingress's routing counters."""
-    from specstream.server.metrics import _fmt
-
-    out: list[str] = []
-
-    def family(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
-        out.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}"])
-        out.extend(f"{name}{labels} {_fmt(value)}" for labels, value in samples)
-
-    def per_replica(name: str, kind: str, help: str, field: str) -> None:
-        family(name, kind, help, [(f'{{replica="{s["replica"]}"}}', s[field]) for s in snaps])
-
-    family("specstream_ray_replicas", "gauge", "Engine replicas that answered this scrape.",
-           [("", len(snaps))])
-    per_replica("specstream_ray_replica_host_kv_free_bytes", "gauge",
-                "Free host KV per replica (what routing prefers).", "host_kv_free_bytes")
-    per_replica("specstream_ray_replica_requests_running", "gauge",
-                "Requests being decoded per replica.", "running")
-    per_replica("specstream_ray_replica_requests_finished_total", "counter",
-                "Engine requests finished per replica.", "finished")
-    family("specstream_ray_requests_routed_total", "counter",
-           "API requests admitted per replica (retries included).",
-           [(f'{{replica="{r}"}}', n) for r, n in sorted(pool.routed.items())])
-    family("specstream_ray_replica_failures_total", "counter",
-           "API requests whose replica failed while running them.",
-           [(f'{{replica="{r}"}}', n) for r, n in sorted(pool.failures.items())])
-    family("specstream_ray_retries_total", "counter",
-           "API requests rerun after their replica failed while running them.",
-           [("", pool.retries)])
-    family("specstream_ray_reroutes_total", "counter",
-           "API requests sent again after a replica failed before admitting them.",
-           [("", pool.reroutes)])
-    return "\n".join(out) + "\n"
+    return [
+        exporter.family("gauge", "specstream_ray_replicas",
+                        "Engine replicas that answered this scrape.", [({}, len(snaps))]),
+        per_replica("gauge", "specstream_ray_replica_host_kv_free_bytes",
+                    "Free host KV per replica (what routing prefers).", "host_kv_free_bytes"),
+        per_replica("gauge", "specstream_ray_replica_requests_running",
+                    "Requests being decoded per replica.", "running"),
+        per_replica("counter", "specstream_ray_replica_requests_finished",
+                    "Engine requests finished per replica.", "finished"),
+        by_replica("specstream_ray_requests_routed",
+                   "API requests admitted per replica (retries included).", pool.routed),
+        by_replica("specstream_ray_replica_failures",
+                   "API requests whose replica failed while running them.", pool.failures),
+        exporter.family("counter", "specstream_ray_retries",
+                        "API requests rerun after their replica failed while running them.",
+                        [({}, pool.retries)]),
+        exporter.family("counter", "specstream_ray_reroutes",
+                        "API requests sent again after a replica failed before admitting them.",
+                        [({}, pool.reroutes)]),
+    ]
 
 
 # ---- building and running ------------------------------------------------------------------
