@@ -37,6 +37,7 @@ from specstream.server.ray_serve import (  # noqa: E402
     ReplicaPool,
     pool_metrics,
     rank_by_free_host_kv,
+    replica_llm_kwargs,
     serve_parser,
 )
 
@@ -97,6 +98,23 @@ def test_replica_metrics_are_summed_into_one_exposition() -> None:
     # no replica answered: the ingress's own series still render
     assert parse_metrics(exporter.render([], pool_metrics(exporter, pool, [])).decode())[
         "specstream_ray_replicas"] == 0
+
+
+def test_speculative_config_reaches_the_replicas(tmp_path: Path) -> None:
+    args = serve_parser().parse_args([
+        "--ray", "--speculative-config",
+        json.dumps({"method": "draft_model", "model": str(tmp_path / "draft"),
+                    "num_speculative_tokens": 3})])
+    kw = replica_llm_kwargs(args)
+    assert (kw["proposer"], kw["num_speculative_tokens"]) == ("draft", 3)
+    assert kw["draft_model"] == str((tmp_path / "draft").resolve())
+    ngram = replica_llm_kwargs(serve_parser().parse_args([
+        "--ray", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']))
+    assert (ngram["proposer"], ngram["draft_model"]) == ("ngram", None)
+    with pytest.raises(ValueError, match="-q says 5"):
+        replica_llm_kwargs(serve_parser().parse_args([
+            "--ray", "-q", "5", "--speculative-config", '{"method": "ngram", '
+                                                         '"num_speculative_tokens": 2}']))
 
 
 # ---- the ingress's retry policy, against fake replicas (no Ray needed) ----------------------

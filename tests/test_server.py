@@ -341,6 +341,69 @@ def test_content_type(server: LiveServer) -> None:
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"], (ctype, r.text)
 
 
+def serve_args(*argv: str) -> Any:
+    import argparse
+
+    from specstream.server.cli import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize("config, flags, want", [
+    ('{"method": "draft_model", "model": "d", "num_speculative_tokens": 3}', [], ("draft", "d", 3)),
+    ('{"method": "draft", "num_speculative_tokens": 2}', [], ("draft", None, 2)),
+    ('{"method": "ngram", "num_speculative_tokens": 5}', ["--proposer", "ngram"],
+     ("ngram", None, 5)),
+    ('{"model": "d"}', ["-q", "2", "--draft-model", "d"], ("draft", "d", 2)),
+])
+def test_speculative_config_maps_to_the_engine_flags(config: str, flags: list[str],
+                                                     want: tuple[Any, ...]) -> None:
+    from specstream.cli import engine_kwargs
+    from specstream.server.cli import apply_speculative_config
+
+    args = apply_speculative_config(serve_args("--speculative-config", config, *flags))
+    assert (args.proposer, args.draft_model, args.num_speculative_tokens) == want
+    kw = engine_kwargs(args)
+    assert (kw["proposer"], kw["num_speculative_tokens"]) == (want[0], want[2])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative-config", "{bad"], "not valid JSON"),
+    (["--speculative-config", "[1]"], "must be a JSON object"),
+    (["--speculative-config", '{"method": "eagle"}'], "unknown method 'eagle'"),
+    (["--speculative-config", '{"num_speculative_tokens": 4}'], 'give "method"'),
+    (["--speculative-config", '{"method": "ngram", "prompt_lookup_max": 4}'],
+     "unknown key(s) 'prompt_lookup_max'"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
+     "num_speculative_tokens"),
+    (["--speculative-config", '{"method": "ngram", "model": "d"}'], "takes no"),
+    (["--speculative-config", '{"method": "ngram"}', "--proposer", "draft"],
+     "--proposer says 'draft'"),
+    (["--speculative-config", '{"method": "draft", "num_speculative_tokens": 4}', "-q", "2"],
+     "-q says 2"),
+    (["--speculative-config", '{"model": "a"}', "--draft-model", "b"], "--draft-model says 'b'"),
+    (["--speculative-config", '{"method": "ngram"}', "--draft-model", "b"], "method ngram"),
+])
+def test_bad_speculative_config_exits_with_2(argv: list[str], message: str,
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    import specstream.server.cli
+    from specstream.cli import main
+
+    def never(*args: Any, **kw: Any) -> None:
+        raise AssertionError("the error must come before the engine is built")
+
+    monkeypatch.setattr(specstream.server.cli, "build_llm", never)
+    try:
+        rc = main(["serve", *argv])
+    except SystemExit as exc:  # argparse's own error exit
+        rc = exc.code
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err, err
+
+
 def test_serve_command_defaults_to_loopback() -> None:
     import argparse
 

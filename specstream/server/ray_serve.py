@@ -457,24 +457,32 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between replicas' free-KV reports")
 
 
+def replica_llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM(...)`` keyword arguments of every replica from ``specstream serve`` arguments
+    (``--speculative-config`` too), as ``build_llm`` passes them: folders given are made
+    absolute (replicas may run elsewhere), and ``LLM`` fills in the embedded pair."""
+    from specstream.cli import engine_kwargs
+    from specstream.server.cli import apply_speculative_config
+
+    args = apply_speculative_config(args)
+    folder = {k: str(Path(v).resolve()) if v else None
+              for k, v in (("model", args.model), ("draft_model", args.draft_model))}
+    return {**folder, **engine_kwargs(args)}
+
+
 def build_ray_app(args: argparse.Namespace) -> Application:
     """The Serve application for parsed ``specstream serve --ray`` arguments."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from specstream.cli import engine_kwargs
     from specstream.llm import default_model_dir
     from specstream.server.app import ServerConfig
     from specstream.server.cli import served_name
 
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
-    kw = engine_kwargs(args)
-    model = str(Path(args.model).resolve()) if args.model else str(default_model_dir("target"))
-    draft = args.draft_model
-    if draft is None and kw.get("proposer") == "draft":
-        draft = str(default_model_dir("draft"))
-    llm_kwargs = {"model": model, "draft_model": draft and str(Path(draft).resolve()), **kw}
+    llm_kwargs = replica_llm_kwargs(args)
+    model = llm_kwargs["model"] or str(default_model_dir("target"))  # the ingress's tokenizer
     config = ServerConfig(
         model_name=args.served_model_name or served_name(args.model), api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
