@@ -1,0 +1,212 @@
+"""`mechanics`: an 8B-shaped Qwen3 target (random bf16 weights) and a 0.6B-shaped draft at
+16K-32K contexts under a device KV budget that forces offloading: decode throughput per mode,
+link GB/s and utilisation during decode, and round time over its floor."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specstream.attention import AttentionAccumulator
+from specstream.attention import triton_partial as tp
+
+from .device import sync
+from .results import update
+
+SHAPES = {  # Qwen3-8B / Qwen3-0.6B layer shapes; tiny ones for the CPU dry run
+    "target": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                   num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+                   tie_word_embeddings=False),
+    "draft": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+                  tie_word_embeddings=True),
+    "tiny-target": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                        tie_word_embeddings=False),
+    "tiny-draft": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, intermediate_size=64,
+                       tie_word_embeddings=True),
+}
+
+
+def random_checkpoint(folder: Path, shape: dict[str, Any], vocab: int, device: str) -> Path:
+    """An HF-format Qwen3 folder with random bf16 weights (reused if already there)."""
+    from safetensors.torch import save_file
+
+    from specstream.models.config import ModelConfig
+    from specstream.models.loader import build_model
+
+    if (folder / "model.safetensors").is_file():
+        return folder
+    raw = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab,
+           "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+           "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": vocab - 1, **shape}
+    model = build_model(ModelConfig.from_dict(raw), torch.bfloat16, device)
+    gen = torch.Generator(device).manual_seed(len(folder.name))
+    tensors = {}
+    for name, param in model.named_parameters():  # tied lm_head is listed once
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            param.data.normal_(0.0, 0.02, generator=gen)
+        tensors[name] = param.data.cpu()
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(raw, indent=2))
+    return folder
+
+
+def _geometry(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, Any]:
+    """Block/chunk sizes, contexts and KV budgets: tails + staging fit, the history does not."""
+    g: dict[str, Any] = (
+        dict(block_size=16, chunk_tokens=64, offload_after_tokens=64, resident_tail_tokens=32,
+             max_prefill_tokens=128, contexts=[600, 300], decode_tokens=8, q=3)
+        if args.tiny else
+        dict(block_size=1024, chunk_tokens=4096, offload_after_tokens=2048,
+             resident_tail_tokens=1024, max_prefill_tokens=2048,
+             contexts=[32768, 16384, 32768, 16384], decode_tokens=32, q=4)
+    )  # fmt: skip
+    layer_tok = 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2  # bf16 K+V, one layer
+    tok = layer_tok * shape["num_hidden_layers"]
+    bs, n = g["block_size"], len(g["contexts"])
+    steady = -(-(max(g["offload_after_tokens"], g["resident_tail_tokens"] + bs) + g["q"] + 1)
+               // bs) + 1
+    blocks = n * steady + -(-g["max_prefill_tokens"] // bs) + 3
+    hist = sum(g["contexts"]) + n * g["decode_tokens"]  # restore modes: the whole batch a step
+    g["stream_kv_bytes"] = blocks * bs * tok + 2 * g["chunk_tokens"] * layer_tok
+    g["restore_kv_bytes"] = 2 * max(blocks * bs * tok, 2 * hist * layer_tok)
+    total = sum(c + g["decode_tokens"] + bs for c in g["contexts"]) * tok
+    g["resident_kv_bytes"] = int(1.2 * total) + blocks * bs * tok
+    host_blocks = sum(-(-(c + g["decode_tokens"] + g["q"] + 1) // bs) + 1 for c in g["contexts"])
+    g["host_kv_bytes"] = 1 << (host_blocks * bs * tok - 1).bit_length()  # pinned: 2^k anyway
+    g["history_kv_bytes"] = total
+    return g
+
+
+class _FusedChunks:
+    """The engine's `ChunkedAttention` interface with every chunk through the fused kernel
+    (`partial_attention_auto`: Triton for unmasked CUDA chunks) and merged by
+    `AttentionAccumulator`."""
+
+    def __init__(self, q: torch.Tensor, num_kv_heads: int, scale: float) -> None:
+        self.q, self.scale, self.acc = q, scale, AttentionAccumulator()
+
+    def add(self, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        self.acc.add(*tp.partial_attention_auto(self.q, k, v, self.scale, mask))
+
+    def result(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.acc.result(dtype or self.q.dtype)
+
+
+def _run_mode(mode: str, target: Path, draft: Path, g: dict[str, Any],
+              args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    """Prefill every request, then time decode steps only (counter deltas over decode).
+
+    `resident-ar` is resident mode without speculation: the compute floor of offload/stream.
+    `<mode>+triton` runs the engine's chunk attention through the fused kernel (patched in for
+    this run only, until the engine dispatches to it itself).
+    """
+    if mode.endswith("+triton"):
+        import specstream.engine.attention as engine_attention
+
+        saved = engine_attention.ChunkedAttention
+        engine_attention.ChunkedAttention = _FusedChunks  # type: ignore[assignment,misc]
+        try:
+            return _run_mode(mode.removesuffix("+triton"), target, draft, g, args, deadline)
+        finally:
+            engine_attention.ChunkedAttention = saved  # type: ignore[misc]
+    from specstream import LLM, SamplingParams
+    from specstream.config import MODES
+
+    engine_mode = mode.removesuffix("-ar")
+    spec = MODES[engine_mode].speculative and not mode.endswith("-ar")
+    history = MODES[engine_mode].history
+    budget = {"none": g["resident_kv_bytes"], "stream": g["stream_kv_bytes"],
+              "restore": g["restore_kv_bytes"]}[history]
+    llm = LLM(str(target), draft_model=str(draft) if spec else None, mode=engine_mode,
+              device=args.device, dtype="bfloat16", device_kv_bytes=budget,
+              host_kv_bytes=g["host_kv_bytes"], block_size=g["block_size"],
+              chunk_tokens=g["chunk_tokens"], resident_tail_tokens=g["resident_tail_tokens"],
+              offload_after_tokens=g["offload_after_tokens"],
+              max_prefill_tokens=g["max_prefill_tokens"], max_num_seqs=len(g["contexts"]),
+              num_speculative_tokens=g["q"] if spec else 0)
+    eng = llm.engine
+    gen = torch.Generator().manual_seed(1)
+    vocab = eng.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=g["decode_tokens"], ignore_eos=True)
+    rids = [eng.add_request(torch.randint(0, vocab, (n,), generator=gen).tolist(), params)
+            for n in g["contexts"]]
+    reqs = [eng.scheduler.requests[r] for r in rids]
+    res: dict[str, Any] = {"kv_budget_gib": budget / 2**30, "two_groups":
+                           eng.scheduler.two_groups, "requests": len(rids)}
+    t0 = time.perf_counter()
+    while any(r.first_token_time is None and not r.finished for r in reqs):
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"{mode}: prefill not finished before the deadline")
+        eng.step()
+    sync(args.device)
+    res["prefill_s"] = time.perf_counter() - t0
+    before = dict(eng.counters)
+    t1 = time.perf_counter()
+    while eng.has_unfinished() and time.perf_counter() < deadline:
+        eng.step()
+    sync(args.device)
+    decode_s = time.perf_counter() - t1
+    res["complete"] = not eng.has_unfinished()
+    m = eng.get_metrics()
+    llm.close()
+    d = {k: m[k] - before[k] for k in ("steps", "generated_tokens", "link_bytes_h2d",
+                                       "link_busy_s", "compute_s", "draft_s")}
+    steps, h2d, busy = max(1, d["steps"]), d["link_bytes_h2d"], d["link_busy_s"]
+    res.update(
+        decode_s=decode_s, steps=steps, tokens=d["generated_tokens"],
+        tok_per_s=d["generated_tokens"] / decode_s, step_s=decode_s / steps, h2d_bytes=h2d,
+        h2d_per_step=h2d / steps, link_busy_s=busy, link_util=busy / decode_s,
+        link_gbps_busy=h2d / busy / 1e9 if busy else 0.0, link_gbps_decode=h2d / decode_s / 1e9,
+        engine_compute_s=d["compute_s"], engine_draft_s=d["draft_s"],
+        engine_round_time_over_floor=m["round_time_over_floor"],
+        acceptance_rate=m["acceptance_rate"], mean_accepted_len=m["mean_accepted_len"],
+        device_kv_peak_gib=m["device_kv_peak_bytes"] / 2**30,
+    )  # fmt: skip
+    return res
+
+
+def run_mechanics(args: argparse.Namespace) -> dict[str, Any]:
+    import gc
+
+    start = time.perf_counter()
+    deadline = start + args.budget_s
+    torch.backends.cuda.matmul.allow_tf32 = True  # timing run: attention scores like a fast path
+    prefix = "tiny-" if args.tiny else ""
+    vocab = 512 if args.tiny else 151936
+    target = random_checkpoint(args.work_dir / f"{prefix}target", SHAPES[f"{prefix}target"],
+                               vocab, args.device)
+    draft = random_checkpoint(args.work_dir / f"{prefix}draft", SHAPES[f"{prefix}draft"],
+                              vocab, args.device)
+    g = _geometry(args, SHAPES[f"{prefix}target"])
+    res: dict[str, Any] = {"geometry": g, "tf32": True, "checkpoint_s":
+                           time.perf_counter() - start, "modes": {}}
+    update(args.out, "mechanics", {**res, "status": "partial"})
+    for mode in args.modes.split(","):
+        if time.perf_counter() > deadline - 10:
+            res["modes"][mode] = {"status": "skipped: out of time"}
+            continue
+        try:
+            res["modes"][mode] = {"status": "ok", **_run_mode(mode, target, draft, g, args,
+                                                              deadline)}
+        except Exception as exc:  # one mode failing must not lose the others
+            traceback.print_exc()
+            res["modes"][mode] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        update(args.out, "mechanics", {**res, "status": "partial"})
+        print(f"[mechanics] {mode}: {res['modes'][mode]}", flush=True)
+    return res
+
