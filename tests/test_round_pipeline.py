@@ -1,5 +1,5 @@
-"""Pieces of the round pipeline: the gap filler's rule, prefill order, the draft's cache, the
-engine's chunked attention, and a deeper staging ring (outputs unchanged)."""
+"""Pieces of the round pipeline: the gap filler's rule, the draft's cache, the engine's chunked
+attention, and a deeper staging ring (outputs unchanged)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,8 @@ import torch
 
 from specstream import LLM, SamplingParams
 from specstream.attention import ChunkedAttention, causal_mask, full_attention, partial_attention
-from specstream.config import EngineConfig
 from specstream.engine.overlap import GapFiller
-from specstream.engine.request import Request
-from specstream.engine.scheduler import Scheduler, StepPlan
 from specstream.engine.trace import Tracer
-from specstream.kvcache.manager import KVManager, OffloadPolicy
 from specstream.models.loader import load_model
 from specstream.spec.draft import DraftModelProposer
 from specstream.spec.proposer import ProposeRequest
@@ -83,26 +79,6 @@ def test_gap_filler_counts_link_idle_time_against_its_budget(clock: _Clock) -> N
     gap.fill(lambda: False, clock.now + 0.001)
     assert job.ran == 1
     assert gap.overrun_s == pytest.approx(0.009)
-
-
-def test_prefill_budget_goes_to_the_oldest_prompt_first() -> None:
-    cfg = EngineConfig(mode="resident", block_size=16, max_prefill_tokens=64)
-    kv = KVManager(16, 256, 0, OffloadPolicy(offload=False))
-    sched = Scheduler(cfg, kv)
-    params = SamplingParams(max_tokens=4)
-    for i in range(3):
-        sched.add(Request(str(i), list(range(1, 151)), params))
-    first_tokens = []
-    for _ in range(2):  # the rotation starts elsewhere each step; prefill order does not
-        plan = sched.schedule()
-        assert [s.request_id for s in plan.seqs] == ["0"]
-        first_tokens.append(plan.seqs[0].start_pos)
-        req = sched.requests["0"]
-        req.num_computed_tokens += len(plan.seqs[0].token_ids)
-        kv.commit("0", req.num_computed_tokens)
-    assert first_tokens == [0, 64]
-    plan = sched.schedule()  # request 0 has 22 tokens left: the rest of the budget is 1's
-    assert [(s.request_id, len(s.token_ids)) for s in plan.seqs] == [("0", 22), ("1", 42)]
 
 
 def test_chunked_attention_lse_and_any_order() -> None:
@@ -192,44 +168,3 @@ def test_deeper_staging_ring_changes_nothing_but_the_schedule(tiny_target, tiny_
             llm.close()
         assert got == want, buffers
         assert m["device_kv_peak_bytes"] <= 2_000_000
-
-
-def _postprocess(sched: Scheduler, plan: StepPlan) -> None:
-    """What the engine does with a step's result, with every draft rejected: commit the KV,
-    append the sampled token, join a group, get the next drafts."""
-    for work in plan.seqs:
-        req = sched.requests[work.request_id]
-        sched.commit(work, req, 1 if work.sample else 0)
-        if work.sample:
-            req.output_token_ids.append(5)
-            if req.group < 0:
-                sched.assign_group(req)
-            req.draft_token_ids = [6, 7]
-
-
-def test_step_with_a_prefill_chunk_verifies_both_groups() -> None:
-    """Two-group mode: a decode-only step verifies one group; a step that also carries a prefill
-    chunk verifies every request with drafts and asks for drafts right after it."""
-    cfg = EngineConfig(mode="specstream", block_size=16, max_prefill_tokens=64, proposer="ngram",
-                       num_speculative_tokens=2, offload_after_tokens=64,
-                       resident_tail_tokens=32, chunk_tokens=64)
-    kv = KVManager(16, 256, 256, OffloadPolicy(offload=True, resident_tail_tokens=32,
-                                               offload_after_tokens=64, chunk_tokens=64))
-    sched = Scheduler(cfg, kv)
-    params = SamplingParams(max_tokens=8)
-    for i in range(2):
-        sched.add(Request(f"d{i}", list(range(1, 41)), params))
-    plan = sched.schedule()  # d0's whole prompt and the start of d1's
-    assert [(s.request_id, len(s.token_ids)) for s in plan.seqs] == [("d0", 40), ("d1", 24)]
-    assert plan.draft_after
-    _postprocess(sched, plan)
-    plan = sched.schedule()  # d0 verifies beside the rest of d1's prompt
-    assert {s.request_id for s in plan.seqs} == {"d0", "d1"} and plan.draft_after
-    _postprocess(sched, plan)
-    assert sorted(r.group for r in sched.running) == [0, 1]
-    plan = sched.schedule()
-    assert len(plan.seqs) == 1 and not plan.draft_after  # decode only: one group verifies
-    _postprocess(sched, plan)
-    sched.add(Request("p", list(range(1, 100)), params))  # a new prompt arrives
-    plan = sched.schedule()
-    assert {s.request_id for s in plan.seqs} == {"d0", "d1", "p"} and plan.draft_after

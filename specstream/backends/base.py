@@ -16,6 +16,8 @@ from typing import ClassVar, NamedTuple, TypeVar
 import torch
 from torch import Tensor
 
+from specstream.registry import Registry
+
 H2D = "h2d"
 D2H = "d2h"
 
@@ -226,18 +228,16 @@ class TransferBackend(ABC):
         return any(p(tag) for p in predicates)
 
 
+BACKENDS: Registry[type[TransferBackend]] = Registry("transfer backend")
 _BackendT = TypeVar("_BackendT", bound=type[TransferBackend])
-_REGISTRY: dict[str, type[TransferBackend]] = {}
 
 
 def register_backend(name: str) -> Callable[[_BackendT], _BackendT]:
     """Class decorator: make `make_backend(name)` build this class; returns the class unchanged."""
 
     def decorate(cls: _BackendT) -> _BackendT:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"transfer backend {name!r} registered twice")
         cls.name = name
-        _REGISTRY[name] = cls
+        BACKENDS.register(name)(cls)
         return cls
 
     return decorate
@@ -247,12 +247,10 @@ def available_backends() -> list[str]:
     """Names accepted by `make_backend` (CUDA is listed even on machines without it)."""
     import specstream.backends  # noqa: F401  (importing the package registers the built-ins)
 
-    return sorted(_REGISTRY)
+    return BACKENDS.names()
 
 
 def make_backend(device: str, link_gbps: float | None = None) -> TransferBackend:
     """Build the backend for `device` ("cpu", "cuda", "cuda:1"); `link_gbps` throttles emulation."""
-    kind = device.split(":", 1)[0]
-    if kind not in available_backends():
-        raise ValueError(f"unknown transfer backend {kind!r}; known: {available_backends()}")
-    return _REGISTRY[kind](device, link_gbps)
+    available_backends()  # registers the built-ins
+    return BACKENDS.get(device.split(":", 1)[0])(device, link_gbps)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -24,24 +24,17 @@ from specstream.backends.base import TransferError, TransferHandle
 from specstream.engine.overlap import GapFiller
 from specstream.engine.scheduler import StepPlan
 from specstream.kvcache.storage import KVStore
+from specstream.registry import Registry
 
 Piece = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_tokens, num_kv_heads, head_dim]
 
-_SOURCES: dict[str, type[HistorySource]] = {}
-
-
-def register_source(name: str) -> Callable[[type[HistorySource]], type[HistorySource]]:
-    def deco(cls: type[HistorySource]) -> type[HistorySource]:
-        _SOURCES[name] = cls
-        return cls
-
-    return deco
+SOURCES: Registry[type[HistorySource]] = Registry("history source")
 
 
 def make_source(
     name: str, store: KVStore, chunk_tokens: int, staging_buffers: int
 ) -> HistorySource:
-    return _SOURCES[name](store, chunk_tokens, staging_buffers)
+    return SOURCES.get(name)(store, chunk_tokens, staging_buffers)
 
 
 def _all_done(handles: tuple[TransferHandle, ...]) -> bool:
@@ -81,13 +74,13 @@ class HistorySource(ABC):
         """Drop per-step buffers."""
 
 
-@register_source("none")
+@SOURCES.register("none")
 class NoHistory(HistorySource):
     def pieces(self, layer: int, index: int) -> Iterator[Piece]:
         return iter(())
 
 
-@register_source("restore")
+@SOURCES.register("restore")
 class LayerRestore(HistorySource):
     """Whole-layer restore with one layer of prefetch (two layer buffers)."""
 
@@ -158,7 +151,7 @@ class _Job:
     handles: tuple[TransferHandle, ...] = ()
 
 
-@register_source("stream")
+@SOURCES.register("stream")
 class ChunkStream(HistorySource):
     """All chunk copies of the step, layer-major, through a ring of staging buffers."""
 

@@ -13,19 +13,20 @@ import torch
 
 from specstream.backends import limit_compute_threads, make_backend
 from specstream.config import EngineConfig, default_offload_after
-from specstream.engine.executor import Executor
+from specstream.engine.drafting import DRAFTING
 from specstream.engine.history import ChunkStream, make_source
 from specstream.engine.request import CompletionOutput, Request, RequestError, RequestOutput
-from specstream.engine.scheduler import Scheduler, SeqWork, StepPlan, StepResult
+from specstream.engine.scheduler import Scheduler
+from specstream.engine.step import StepOutput, StepPlan
 from specstream.engine.trace import Tracer
+from specstream.engine.worker import Worker
 from specstream.kvcache.manager import KVManager, OffloadPolicy
 from specstream.kvcache.storage import KVStore
 from specstream.models.loader import load_model, resolve_dtype
-from specstream.sampling import make_generator
 from specstream.sampling_params import SamplingParams
 from specstream.spec import make_proposer
 from specstream.spec.draft import DraftModelProposer
-from specstream.spec.proposer import Proposal, ProposeJob, Proposer, ProposeRequest
+from specstream.spec.proposer import Proposer
 from specstream.tokenizer import Tokenizer
 
 log = logging.getLogger("specstream.engine")
@@ -84,13 +85,16 @@ class LLMEngine:
         self.history = make_source(mode.history, self.store, config.chunk_tokens,
                                    config.staging_buffers)
         cap = history_reserve // (2 * layer_token_bytes) if mode.history == "restore" else None
-        self.scheduler = Scheduler(config, self.kv, restore_token_cap=cap)
+        tok = self.tokenizer
+        self.scheduler = Scheduler(config, self.kv, restore_token_cap=cap,
+                                   max_model_len=self.max_model_len,
+                                   eos_token_ids=self.eos_token_ids,
+                                   decode=tok.decode if tok is not None else None)
         if isinstance(self.history, ChunkStream) and config.link_gbps:
             self.history.link_bps = config.link_gbps * 1e9
-        self.executor = Executor(self.model, self.store, self.backend, self.history,
-                                 drafting=mode.drafting, tracer=self.tracer)
         self.proposer = self._make_proposer() if config.speculative else None
-        self.overlapped = self.scheduler.two_groups
+        self.worker = Worker(self.model, self.store, self.backend, self.history, self.proposer,
+                             DRAFTING.get(mode.drafting)(self.tracer), self.tracer)
         self._ids = itertools.count()
         self.counters: dict[str, float] = {
             "steps": 0, "decode_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
@@ -137,113 +141,59 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.scheduler.requests:
             raise ValueError(f"duplicate request id {rid!r}")
-        req = Request(rid, [int(t) for t in prompt_token_ids], params,
-                      generator=make_generator(params, self.config.device))
-        self.scheduler.add(req)
+        self.scheduler.add(Request(rid, [int(t) for t in prompt_token_ids], params))
         self.counters["prompt_tokens"] += len(prompt_token_ids)
         return rid
 
     def abort_request(self, request_id: str) -> None:
         req = self.scheduler.requests.pop(request_id, None)
         if req is not None and not req.finished:
-            self._finish(req, "abort")
+            self.scheduler.finish(req, "abort")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One round: schedule, run (restore, verify, draft), postprocess.
+        """One round: schedule, run (restore, verify, draft), update.
 
-        No error inside a round stops the engine: one that belongs to a request
-        (:class:`RequestError`) fails that request; any other fails the round's requests,
-        frees their KV, and the engine goes on with the rest.
+        No error inside a round stops the engine: a request's own failure (a transfer, its
+        drafting) fails that request; anything else fails the round's requests, frees their KV,
+        and the engine goes on with the rest.
         """
-        plan: StepPlan | None = None
-        draft_batch: list[ProposeRequest] = []
+        plan = self.scheduler.schedule()
+        output = self._run(plan)
+        update = self.scheduler.update(plan, output)
+        if update.writebacks:
+            errors = self.worker.writeback(update.writebacks)
+            self.scheduler.complete_writebacks(update.writebacks, errors)
+        self.counters["generated_tokens"] += update.num_appended
+        self._account(plan, output)
+        return self._outputs(update.touched)
+
+    def _run(self, plan: StepPlan) -> StepOutput:
+        t0 = time.perf_counter()
         try:
-            plan = self.scheduler.schedule()
-            draft_batch, job = self._overlapped_drafts(plan)
-            result = self.executor.run(plan, job)
-            outputs = self._postprocess(plan, result, draft_batch)
-            self._account(plan, result)
-            return outputs
+            return self.worker.run(plan)
         except Exception as exc:
-            return self._fail_round(plan, draft_batch, exc)
+            log.exception("engine step failed")
+            rid = exc.request_id if isinstance(exc, RequestError) else None
+            out = StepOutput.failed(
+                plan, f"the request's round failed: {type(exc).__name__}: {exc}", rid)
+            out.start, out.wall_s = t0, time.perf_counter() - t0
+            return out
 
-    def _fail_round(self, plan: StepPlan | None, draft_batch: list[ProposeRequest],
-                    exc: Exception) -> list[RequestOutput]:
-        """Fail the requests a broken round touched (every running one when scheduling itself
-        broke) and report them, with the error, as finished."""
-        log.exception("engine step failed")
-        if plan is None:
-            rids = [r.request_id for r in self.scheduler.running]
-        else:
-            rids = [s.request_id for s in plan.seqs] + [d.request_id for d in draft_batch]
-        if isinstance(exc, RequestError) and exc.request_id in rids:
-            rids = [exc.request_id]
-        message = f"the request's round failed: {type(exc).__name__}: {exc}"
-        outputs = []
-        for rid in dict.fromkeys(rids):
-            req = self.scheduler.requests.get(rid)
-            if req is None:
-                continue
-            if not req.finished:
-                self._finish(req, "error", message)
-            outputs.append(self._output(req))
-            self.scheduler.requests.pop(rid, None)
-        return outputs
-
-    def _postprocess(
-        self, plan: StepPlan, result: StepResult, draft_batch: list[ProposeRequest]
-    ) -> list[RequestOutput]:
-        touched: list[Request] = []
-        moves: dict[str, list[tuple[int, int]]] = {}
-        for work in plan.seqs:
-            req = self.scheduler.requests[work.request_id]
-            if req.finished:
-                continue
-            touched.append(req)
-            if work.request_id in result.errors:
-                self._finish(req, "error", result.errors[work.request_id])
-                continue
-            new = result.new_tokens.get(work.request_id, [])
-            if work.sample:
-                self._count_round(req, work, len(new))
-            moves[req.request_id] = self.scheduler.commit(work, req, len(new))
-            self._append(req, new)
-            if work.sample and not req.finished and self.proposer is not None:
-                if req.group < 0 and self.overlapped:
-                    self.scheduler.assign_group(req)
-                req.needs_draft = self._num_drafts(req) > 0
-        self._write_back(moves)
-        if result.proposals is not None:
-            self._apply_drafts(draft_batch, result.proposals)
-        if self.proposer is not None and (not self.overlapped or plan.draft_after):
-            t0 = time.perf_counter()
-            batch, job = self._start_drafts(self._draft_batch(set()))
-            if job is not None:
-                self._apply_drafts(batch, self.executor.draft_now(job))
-            result.draft_s += time.perf_counter() - t0
+    def _outputs(self, touched: list[Request]) -> list[RequestOutput]:
         outputs = [self._output(r) for r in touched]
         for r in touched:  # finished requests are reported once, then forgotten
             if r.finished:
                 self.scheduler.requests.pop(r.request_id, None)
         return outputs
 
-    def _write_back(self, moves: dict[str, list[tuple[int, int]]]) -> None:
-        """Move tail blocks past the resident budget to the host tier (finished requests'
-        blocks are simply freed)."""
-        live = {rid: pairs for rid, pairs in moves.items()
-                if pairs and not self.scheduler.requests[rid].finished}
-        errors = self.executor.writeback(live) if live else {}
-        for pairs in moves.values():
-            self.kv.complete_writeback(pairs)
-        for rid, msg in errors.items():
-            self._finish(self.scheduler.requests[rid], "error", msg)
-
-    def _account(self, plan: StepPlan, result: StepResult) -> None:
-        """Fold one step's link records and timings into the counters and round stats."""
+    def _account(self, plan: StepPlan, result: StepOutput) -> None:
+        """Fold one step's link records, timings and speculation into the counters and round
+        stats."""
+        self._count_speculation(plan, result)
         end = time.perf_counter()
         records = self.backend.busy_intervals()
         self.backend.reset_stats()
@@ -265,8 +215,8 @@ class LLMEngine:
         c["link_busy_s"] += busy
         c["compute_s"] += compute
         c["draft_s"] += result.draft_s
-        decode = any(s.sample and not _is_prefill(s) for s in plan.seqs)
-        prefill_tokens = sum(len(s.token_ids) for s in plan.seqs if _is_prefill(s))
+        decode = any(s.sample and not s.prefill for s in plan.seqs)
+        prefill_tokens = sum(len(s.token_ids) for s in plan.seqs if s.prefill)
         c["prefill_tokens"] += prefill_tokens
         if prefill_tokens and not decode:
             c["prefill_only_time_s"] += wall
@@ -281,108 +231,27 @@ class LLMEngine:
                 plan.num_tokens, sum(s.start_pos + len(s.token_ids) for s in plan.seqs),
                 len(plan.seqs), prefill_tokens,
                 sum(len(result.new_tokens.get(s.request_id, ())) for s in plan.seqs
-                    if s.sample and not _is_prefill(s)),
+                    if s.sample and not s.prefill),
             ))
             self.tracer.add("round", "round", result.start, end)
 
-    def _count_round(self, req: Request, work: SeqWork, num_new: int) -> None:
-        if req.first_token_time is None:
-            req.first_token_time = time.perf_counter()
-            return  # the prefill's first token is not a verification round
-        req.num_rounds += 1
-        req.num_proposed += work.num_drafts
-        req.num_accepted += num_new - 1
-        self.counters["rounds"] += 1
-        self.counters["proposed_tokens"] += work.num_drafts
-        self.counters["accepted_tokens"] += num_new - 1
-        if work.num_drafts:
-            self.counters["num_drafts"] += 1
-            if work.num_drafts > len(self.accepted_per_pos):
-                self.accepted_per_pos.extend([0] * (work.num_drafts - len(self.accepted_per_pos)))
-            for i in range(num_new - 1):
-                self.accepted_per_pos[i] += 1
-
-    def _append(self, req: Request, new: list[int]) -> None:
-        params = req.params
-        for tok in new:
-            req.output_token_ids.append(tok)
-            self.counters["generated_tokens"] += 1
-            if tok in params.stop_token_ids or (tok in self.eos_token_ids
-                                                and not params.ignore_eos):
-                return self._finish(req, "stop")
-            if params.stop and self.tokenizer is not None:
-                text = self.tokenizer.decode(req.output_token_ids)
-                hits = [text.find(s) for s in params.stop if s in text]
-                if hits:
-                    req.output_text = text[: min(hits)]
-                    return self._finish(req, "stop")
-            if len(req.output_token_ids) >= params.max_tokens:
-                return self._finish(req, "length")
-        if self.proposer is not None:
-            self.proposer.rollback(req.request_id, req.num_tokens - 1)
-        req.draft_token_ids, req.draft_probs = [], None
-
-    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        if req.output_text == "" and self.tokenizer is not None and reason != "error":
-            req.output_text = self.tokenizer.decode(req.output_token_ids)
-        req.finish_time = time.perf_counter()
-        self.scheduler.finish(req, reason, error)
-        if self.proposer is not None:
-            self.proposer.free(req.request_id)
-
-    def _num_drafts(self, req: Request) -> int:
-        q = req.params.num_speculative_tokens
-        q = self.config.q if q is None else q
-        room = min(req.params.max_tokens - len(req.output_token_ids),
-                   self.max_model_len - req.num_tokens) - 1
-        return max(0, min(q, room))
-
-    def _draft_batch(self, exclude: set[str]) -> list[ProposeRequest]:
-        """Requests whose last verification left them without drafts."""
-        batch = []
-        for req in self.scheduler.running:
-            if req.in_prefill or req.finished or req.request_id in exclude:
+    def _count_speculation(self, plan: StepPlan, result: StepOutput) -> None:
+        """Verification rounds (a prefill's first token is none), drafts and acceptances."""
+        c = self.counters
+        for s in plan.seqs:
+            new = result.new_tokens.get(s.request_id)
+            if not s.sample or s.prefill or new is None:
                 continue
-            if not req.needs_draft:
-                continue  # its drafts from an earlier step are still unverified
-            q = self._num_drafts(req)
-            if q:
-                batch.append(ProposeRequest(req.request_id, req.all_token_ids, q, req.params))
-        return batch
-
-    def _overlapped_drafts(
-        self, plan: StepPlan
-    ) -> tuple[list[ProposeRequest], ProposeJob | None]:
-        """In overlapped modes: the draft job for the group not verified in this step."""
-        if not self.overlapped or self.proposer is None:
-            return [], None
-        batch = self._draft_batch({s.request_id for s in plan.seqs})
-        return self._start_drafts(batch)
-
-    def _start_drafts(
-        self, batch: list[ProposeRequest]
-    ) -> tuple[list[ProposeRequest], ProposeJob | None]:
-        """The proposer's job for ``batch``; a request the proposer refuses fails alone."""
-        assert self.proposer is not None
-        while batch:
-            try:
-                return batch, self.proposer.start(batch)
-            except RequestError as exc:
-                req = self.scheduler.requests.get(exc.request_id)
-                if req is None:
-                    raise
-                self._finish(req, "error", f"drafting failed: {exc}")
-                batch = [b for b in batch if b.request_id != exc.request_id]
-        return [], None
-
-    def _apply_drafts(self, batch: list[ProposeRequest], proposals: list[Proposal]) -> None:
-        for pr, prop in zip(batch, proposals):
-            req = self.scheduler.requests.get(pr.request_id)
-            if req is None or req.finished:
-                continue
-            req.draft_token_ids = list(prop.token_ids)
-            req.draft_probs = prop.probs
-            req.needs_draft = False
+            c["rounds"] += 1
+            c["proposed_tokens"] += s.num_drafts
+            c["accepted_tokens"] += len(new) - 1
+            if s.num_drafts:
+                c["num_drafts"] += 1
+                if s.num_drafts > len(self.accepted_per_pos):
+                    self.accepted_per_pos.extend([0] * (s.num_drafts
+                                                        - len(self.accepted_per_pos)))
+                for i in range(len(new) - 1):
+                    self.accepted_per_pos[i] += 1
 
     # ---- outputs and metrics ------------------------------------------------------------
     def _output(self, req: Request) -> RequestOutput:
@@ -453,10 +322,6 @@ class RoundStats:
     num_seqs: int = 0
     prefill_tokens: int = 0  # prompt tokens prefilled in the same step (mixed steps)
     new_tokens: int = 0  # tokens the round's verifications emitted (accepted + bonus)
-
-
-def _is_prefill(s: SeqWork) -> bool:
-    return len(s.token_ids) - s.num_drafts > 1
 
 
 def _maybe_tokenizer(folder: str | Path) -> Tokenizer | None:

@@ -1,8 +1,9 @@
 """Continuous batching: admission against the KV budgets, chunked prefill, decode rounds.
 
-The scheduler owns the requests and the pure-Python KV manager. Each step it hands the executor
-one :class:`StepPlan` (the only thing the executor sees) and afterwards folds the executor's
-:class:`StepResult` back into the requests (accepted tokens, KV commits, write-back plans).
+The scheduler owns the requests and the pure-Python KV manager. Each step it hands the worker
+one :class:`StepPlan` (the only thing the worker sees) and afterwards ``update`` folds the
+worker's :class:`StepOutput` back into the requests: emitted tokens and stop checks, KV commits
+(rejected drafts roll back), write-back plans, drafts for the next round, errors.
 
 Admission reserves, per request, the device blocks its resident tail can ever need and the host
 blocks its history can ever need (prompt + max_tokens), so an admitted request never runs out of
@@ -11,69 +12,30 @@ memory mid-way: when memory runs short new requests wait; nothing admitted is dr
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-
-import torch
 
 from specstream.config import EngineConfig
 from specstream.engine.request import Request, Status
+from specstream.engine.step import DraftWork, SeqWork, StepOutput, StepPlan
 from specstream.kvcache.manager import KVManager
-from specstream.sampling_params import SamplingParams
-from specstream.spec.proposer import Proposal
 
-
-@dataclass(frozen=True)
-class SeqWork:
-    """One request's share of a step."""
-
-    request_id: str
-    # Input tokens: a prefill chunk, or the last sampled token followed by the drafts.
-    token_ids: tuple[int, ...]
-    # Absolute position of token_ids[0] (= tokens already in the cache).
-    start_pos: int
-    # Trailing draft tokens among token_ids (verified this step).
-    num_drafts: int
-    # Whether the step ends at the newest known token, so logits are sampled.
-    sample: bool
-    # KV placement: host history tokens, and the device blocks of the tail.
-    host_tokens: int
-    device_blocks: tuple[int, ...]
-    # Host history as restore chunks of (host block ids).
-    restore_chunks: tuple[tuple[int, ...], ...]
-    # Processed draft distribution [num_drafts, V], None for point-mass drafts.
-    draft_probs: torch.Tensor | None = None
-    params: SamplingParams = field(default_factory=SamplingParams)
-    generator: torch.Generator | None = None
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    seqs: tuple[SeqWork, ...]
-    # Two-group modes, in a step that carries a prefill chunk: every request with drafts ready
-    # is verified (not one group), and the verified requests get their next drafts right after
-    # the step. The chunk's compute hides the link anyway, so alternating groups would only
-    # halve the decode rounds that ride along with it.
-    draft_after: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
+Writebacks = dict[str, list[tuple[int, int]]]  # request id -> (device block, host block) pairs
 
 
 @dataclass
-class StepResult:
-    # request id -> tokens appended this step (accepted drafts + recovered/bonus token).
-    new_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # request id -> error message, for requests whose step failed (e.g. a transfer).
-    errors: dict[str, str] = field(default_factory=dict)
-    # Drafts made during the step for requests that were not verified in it.
-    proposals: list[Proposal] | None = None
-    # Timings (perf_counter seconds): step start, wall time, time waiting on the link, drafting.
-    start: float = 0.0
-    wall_s: float = 0.0
-    wait_s: float = 0.0
-    draft_s: float = 0.0
+class StepUpdate:
+    """What ``Scheduler.update`` did with a step's output."""
+
+    # Requests the step worked on, in plan order (finished ones included, reported once).
+    touched: list[Request] = field(default_factory=list)
+    # Tail blocks of running requests that now belong on the host: the worker copies them,
+    # then ``complete_writebacks`` frees the device blocks.
+    writebacks: Writebacks = field(default_factory=dict)
+    # Tokens appended to outputs (those past a stop are dropped).
+    num_appended: int = 0
 
 
 @dataclass
@@ -88,18 +50,27 @@ class Scheduler:
         config: EngineConfig,
         kv: KVManager,
         restore_token_cap: int | None = None,
+        max_model_len: int = 1 << 62,
+        eos_token_ids: Collection[int] = (),
+        decode: Callable[[list[int]], str] | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         # In `restore` modes a step can only restore this many history tokens (two layers of
         # them must fit in the device budget's restore share).
         self.restore_token_cap = restore_token_cap
+        # Runtime facts of the model: its context, its end-of-sequence ids, its detokenizer
+        # (for stop strings and the final text; None for a folder without a tokenizer).
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.decode = decode
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._reserved: dict[str, _Reservation] = {}
         self._reserved_device = 0
         self._reserved_host = 0
+        self._finished: list[str] = []  # since the last plan: the worker drops their state
         self.max_concurrency = 0
         self._rr = 0  # round-robin start when a step cannot take every running request
         # Overlapped modes verify one group per step while the other group drafts.
@@ -263,22 +234,106 @@ class Scheduler:
                 token_ids=inputs,
                 start_pos=req.num_computed_tokens,
                 num_drafts=len(drafts),
+                prefill=req.in_prefill,
                 sample=sample,
                 host_tokens=len(seq.host_blocks) * self.config.block_size,
                 device_blocks=tuple(seq.device_blocks),
                 restore_chunks=tuple(c.host_blocks for c in self.kv.restore_chunks(rid)),
-                draft_probs=req.draft_probs if drafts else None,
                 params=req.params,
-                generator=req.generator,
             ))
-        return StepPlan(tuple(seqs), draft_after=prefilling)
+        finished, self._finished = tuple(self._finished), []
+        return StepPlan(tuple(seqs), self._draft_work(seqs, prefilling), finished)
 
-    def commit(self, work: SeqWork, req: Request, num_new_tokens: int) -> list[tuple[int, int]]:
-        """Record a step's KV for one request (drafts past the accepted ones roll back).
+    def _draft_work(self, seqs: list[SeqWork], prefilling: bool) -> tuple[DraftWork, ...]:
+        """Who drafts in this step. Requests not verified in it and still without drafts
+        draft while it runs (the other group, in the two-group modes); in the one-group modes,
+        and in a two-group step that carries a prefill chunk, the requests it verifies draft
+        right after, from the tokens their verification emits (the chunk's compute hides the
+        link anyway, so alternating groups would only halve the decode rounds riding along)."""
+        if not self.config.speculative:
+            return ()
+        verified = {s.request_id for s in seqs}
+        work = []
+        for req in self.running:
+            rid = req.request_id
+            if rid in verified:
+                sampled = any(s.request_id == rid and s.sample for s in seqs)
+                after = sampled and (prefilling or not self.two_groups)
+                if after:
+                    work.append(self._draft(req, after_verify=True))
+            elif req.needs_draft and not req.in_prefill:
+                work.append(self._draft(req, after_verify=False))
+        return tuple(w for w in work if w.count(0) > 0)
 
-        Returns the (device block, host block) write-backs its tail now needs; the caller
-        copies them and then calls ``kv.complete_writeback``.
-        """
+    def _draft(self, req: Request, after_verify: bool) -> DraftWork:
+        q = req.params.num_speculative_tokens
+        return DraftWork(
+            request_id=req.request_id, token_ids=tuple(req.all_token_ids),
+            num_tokens=self.config.q if q is None else q, room=self._room(req),
+            params=req.params, after_verify=after_verify)
+
+    def _room(self, req: Request) -> int:
+        """Tokens the request may still generate (its max_tokens and the model's context)."""
+        return min(req.params.max_tokens - len(req.output_token_ids),
+                   self.max_model_len - req.num_tokens)
+
+    # ---- results ------------------------------------------------------------------------
+    def update(self, plan: StepPlan, output: StepOutput) -> StepUpdate:
+        """Fold a step's output into its requests: tokens and stop checks, KV commits (rejected
+        drafts roll back), write-back plans, drafts for the next round, errors. A sampling
+        request with neither tokens nor an error in the output did not run: it stays as it was
+        and is scheduled again."""
+        result = StepUpdate()
+        for work in plan.seqs:
+            req = self.requests.get(work.request_id)
+            if req is None or req.finished:
+                continue
+            result.touched.append(req)
+            if work.request_id in output.errors:
+                self.finish(req, "error", output.errors[work.request_id])
+                continue
+            new = output.new_tokens.get(work.request_id)
+            if work.sample and new is None:
+                continue
+            new = new or []
+            if work.sample:
+                self._count_round(req, work, len(new))
+            pairs = self._commit(work, req, len(new))
+            result.num_appended += self._append(req, new)
+            if pairs:
+                result.writebacks[req.request_id] = pairs
+            if work.sample and not req.finished and self.config.speculative:
+                if req.group < 0 and self.two_groups:
+                    self.assign_group(req)
+                req.needs_draft = self._draft(req, after_verify=False).count(0) > 0
+                req.draft_token_ids = []
+        for d in plan.drafts:
+            req = self.requests.get(d.request_id)
+            if req is None or req.finished:
+                continue
+            if req not in result.touched:
+                result.touched.append(req)
+            if d.request_id in output.errors:
+                self.finish(req, "error", output.errors[d.request_id])
+            elif d.request_id in output.drafts:
+                req.draft_token_ids = list(output.drafts[d.request_id])
+                req.needs_draft = False
+        for rid in [rid for rid in result.writebacks if self.requests[rid].finished]:
+            self.kv.complete_writeback(result.writebacks.pop(rid))  # freed, nothing to copy
+        return result
+
+    def complete_writebacks(self, writebacks: Writebacks, errors: dict[str, str]) -> None:
+        """The worker copied ``writebacks``: free their device blocks; fail requests whose copy
+        failed."""
+        for rid, pairs in writebacks.items():
+            self.kv.complete_writeback(pairs)
+            req = self.requests.get(rid)
+            if rid in errors and req is not None and not req.finished:
+                self.finish(req, "error", errors[rid])
+
+    def _commit(self, work: SeqWork, req: Request, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Record a step's KV for one request (drafts past the accepted ones roll back);
+        returns the (device block, host block) write-backs its tail now needs."""
         if work.sample:
             # the inputs up to the accepted drafts now have KV; the newest token does not
             kept = work.start_pos + len(work.token_ids) - work.num_drafts + num_new_tokens - 1
@@ -288,7 +343,41 @@ class Scheduler:
         self.kv.commit(req.request_id, kept)
         return self.kv.plan_writeback(req.request_id)
 
+    def _count_round(self, req: Request, work: SeqWork, num_new: int) -> None:
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+            return  # the prefill's first token is not a verification round
+        req.num_rounds += 1
+        req.num_proposed += work.num_drafts
+        req.num_accepted += num_new - 1
+
+    def _append(self, req: Request, new: list[int]) -> int:
+        """Append emitted tokens up to the first that ends the request; returns how many."""
+        params = req.params
+        for i, tok in enumerate(new, 1):
+            req.output_token_ids.append(tok)
+            reason = None
+            if tok in params.stop_token_ids or (tok in self.eos_token_ids
+                                                and not params.ignore_eos):
+                reason = "stop"
+            elif params.stop and self.decode is not None:
+                text = self.decode(req.output_token_ids)
+                hits = [text.find(s) for s in params.stop if s in text]
+                if hits:
+                    req.output_text = text[: min(hits)]
+                    reason = "stop"
+            if reason is None and len(req.output_token_ids) >= params.max_tokens:
+                reason = "length"
+            if reason is not None:
+                self.finish(req, reason)
+                return i
+        return len(new)
+
     def finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        """End a request (stop, length, abort, error): free its KV and its reservation."""
+        if req.output_text == "" and self.decode is not None and reason != "error":
+            req.output_text = self.decode(req.output_token_ids)
+        req.finish_time = time.perf_counter()
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.error = error
@@ -298,6 +387,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(rid)
+        self._finished.append(rid)
         r = self._reserved.pop(rid, None)
         if r is not None:
             self._reserved_device -= r.device_blocks

@@ -168,7 +168,7 @@ class DraftJob(ProposeJob):
 
     def __init__(self, proposer: DraftModelProposer, requests: Sequence[ProposeRequest]) -> None:
         super().__init__(proposer, requests)
-        self.p, self.requests = proposer, list(requests)
+        self.p = proposer
         self.active = [r for r in self.requests if r.num_tokens > 0]
         self.caches = []
         for r in self.active:

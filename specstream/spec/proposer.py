@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from specstream.registry import Registry
 from specstream.sampling_params import SamplingParams
 
 
@@ -47,7 +48,7 @@ class ProposeJob:
     """
 
     def __init__(self, proposer: Proposer, requests: Sequence[ProposeRequest]) -> None:
-        self._proposer, self._requests = proposer, list(requests)
+        self._proposer, self.requests = proposer, list(requests)
         self._result: list[Proposal] | None = None
         self.num_steps = 0
 
@@ -57,7 +58,7 @@ class ProposeJob:
 
     def step(self) -> bool:
         if self._result is None:
-            self._result = self._proposer.propose(self._requests)
+            self._result = self._proposer.propose(self.requests)
             self.num_steps += 1
         return False
 
@@ -85,32 +86,19 @@ class Proposer(ABC):
         """Drop all state of a finished request."""
 
 
-P = TypeVar("P", bound=type[Proposer])
-_PROPOSERS: dict[str, type[Proposer]] = {}
-
-
-def register_proposer(name: str) -> Callable[[P], P]:
-    """Class decorator: make the proposer constructible as ``make_proposer(name, ...)``."""
-
-    def deco(cls: P) -> P:
-        if name in _PROPOSERS and _PROPOSERS[name] is not cls:
-            raise ValueError(f"proposer {name!r} already registered as {_PROPOSERS[name]}")
-        _PROPOSERS[name] = cls
-        return cls
-
-    return deco
+PROPOSERS: Registry[type[Proposer]] = Registry("proposer")
+# Class decorator: make the proposer constructible as ``make_proposer(name, ...)``.
+register_proposer = PROPOSERS.register
 
 
 def make_proposer(name: str, **kwargs: Any) -> Proposer:
     """Construct the proposer registered under ``name``."""
-    if name not in _PROPOSERS:
-        raise ValueError(f"unknown proposer {name!r}; known: {sorted(_PROPOSERS)}")
-    return _PROPOSERS[name](**kwargs)
+    return PROPOSERS.get(name)(**kwargs)
 
 
 def available_proposers() -> list[str]:
     """Names of the registered proposers."""
-    return sorted(_PROPOSERS)
+    return PROPOSERS.names()
 
 
 def batch_proposals(

@@ -1,0 +1,121 @@
+"""Where drafting runs in a step, one class per strategy, chosen by the mode's ``drafting``.
+
+A step's draft job (for requests the step does not verify) starts before the target forward
+pass (``begin``) and is finished after it (``end``); drafts for the requests the step verifies
+run after their verification (``run_now``).
+
+- ``sequential``: everything after verification, on the one device (the baselines).
+- ``gaps``: draft steps run while verification waits for history still crossing the link
+  (``engine/overlap.py`` decides which gaps are long enough); the rest after verification.
+- ``parallel``: on a second worker standing for a second device, concurrently with verification.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+
+import torch
+
+from specstream.engine.history import HistorySource
+from specstream.engine.overlap import GapFiller
+from specstream.engine.trace import Tracer
+from specstream.registry import Registry
+from specstream.spec.proposer import ProposeJob
+
+
+class Drafting(ABC):
+    def __init__(self, tracer: Tracer) -> None:
+        self.tracer = tracer
+
+    @abstractmethod
+    def begin(self, job: ProposeJob | None, history: HistorySource) -> None:
+        """Before the target forward pass: start ``job`` where the strategy runs it."""
+
+    @abstractmethod
+    def end(self) -> float:
+        """After the forward pass: finish the job; returns the seconds spent drafting."""
+
+    def abort(self) -> None:  # noqa: B027
+        """The forward pass failed: leave no draft work running into the next step."""
+
+    def run_now(self, job: ProposeJob) -> None:
+        """Run ``job`` to the end now, on the draft's device."""
+        with self.tracer.span("draft", "draft (sequential)"):
+            job.result()
+
+
+DRAFTING: Registry[type[Drafting]] = Registry("drafting strategy")
+
+
+@DRAFTING.register("sequential")
+class Sequential(Drafting):
+    def begin(self, job: ProposeJob | None, history: HistorySource) -> None:
+        self.job = job
+
+    def end(self) -> float:
+        if self.job is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.run_now(self.job)
+        return time.perf_counter() - t0
+
+
+@DRAFTING.register("gaps")
+class InGaps(Drafting):
+    def begin(self, job: ProposeJob | None, history: HistorySource) -> None:
+        self.history = history
+        history.gap = GapFiller(job, self.tracer) if job is not None else None
+
+    def end(self) -> float:
+        gap, self.history.gap = self.history.gap, None
+        return 0.0 if gap is None else gap.draft_s + gap.finish()
+
+    def abort(self) -> None:
+        self.history.gap = None
+
+
+@DRAFTING.register("parallel")
+class OnSecondDevice(Drafting):
+    def begin(self, job: ProposeJob | None, history: HistorySource) -> None:
+        self.thread: _DraftThread | None = None
+        if job is not None:
+            self.thread = _DraftThread(job, self.tracer)
+
+    def end(self) -> float:
+        return 0.0 if self.thread is None else self.thread.join()
+
+    def abort(self) -> None:
+        if self.thread is not None:
+            self.thread.thread.join()
+
+    def run_now(self, job: ProposeJob) -> None:
+        _DraftThread(job, self.tracer).join()
+
+
+class _DraftThread:
+    """Runs a draft job on its own thread: the second device of parallel-spec."""
+
+    def __init__(self, job: ProposeJob, tracer: Tracer) -> None:
+        self.job, self.tracer, self.draft_s = job, tracer, 0.0
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="draft-device", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            torch.set_num_threads(1)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                self.job.result()
+            self.draft_s = time.perf_counter() - t0
+            self.tracer.add("draft", "draft (second device)", t0, t0 + self.draft_s)
+        except BaseException as exc:  # surfaced in join()
+            self.error = exc
+
+    def join(self) -> float:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.draft_s

@@ -1,0 +1,110 @@
+"""The step contract: what the scheduler hands the worker, and what the worker hands back.
+
+Plain data only (ids, counts, block numbers, sampling parameters). Everything with device state
+(tensors, generators, draft probabilities, draft caches) stays on the worker's side, keyed by
+request id; the scheduler never touches a tensor and the worker never touches a request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specstream.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SeqWork:
+    """One request's share of the target forward pass of a step."""
+
+    request_id: str
+    # Input tokens: a prefill chunk, or the last sampled token followed by the drafts.
+    token_ids: tuple[int, ...]
+    # Absolute position of token_ids[0] (= tokens already in the cache).
+    start_pos: int
+    # Trailing draft tokens among token_ids (verified this step).
+    num_drafts: int
+    # True when token_ids are prompt tokens (a prefill chunk; a one-token prompt included).
+    prefill: bool
+    # Whether the step ends at the newest known token, so logits are sampled.
+    sample: bool
+    # Host history tokens (a multiple of the block size) and the device blocks of the tail.
+    host_tokens: int
+    device_blocks: tuple[int, ...]
+    # Host history as restore chunks of host block ids, oldest first.
+    restore_chunks: tuple[tuple[int, ...], ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class DraftWork:
+    """Drafts to make for one request in this step."""
+
+    request_id: str
+    # Every token of the request known at scheduling time (prompt + output).
+    token_ids: tuple[int, ...]
+    # Draft tokens wanted (the request's q).
+    num_tokens: int
+    # Tokens the request may still generate after token_ids (max_tokens and the context
+    # both counted); drafts never run past it.
+    room: int
+    params: SamplingParams
+    # True: the request is verified in this same step, and its drafts are made right after,
+    # from the tokens the verification emitted (appended to token_ids). False: it is not
+    # verified in this step, and its drafts are made while the step verifies others.
+    after_verify: bool
+
+    def count(self, num_new: int) -> int:
+        """Drafts to make once ``num_new`` more tokens are known (a bonus token always follows
+        the drafts, so they stop one short of the room)."""
+        return max(0, min(self.num_tokens, self.room - num_new - 1))
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything the worker does in one step."""
+
+    # Target forward work: prefill chunks and verifications.
+    seqs: tuple[SeqWork, ...]
+    # Draft work: for requests verified in this step (after_verify) or not (while it runs).
+    drafts: tuple[DraftWork, ...] = ()
+    # Requests finished since the last plan: the worker drops their state (draft caches,
+    # generators, draft probabilities).
+    finished: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def has_prefill(self) -> bool:
+        return any(s.prefill for s in self.seqs)
+
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        """Every request the step works on (forward pass or drafts), each once."""
+        return tuple(dict.fromkeys([s.request_id for s in self.seqs]
+                                   + [d.request_id for d in self.drafts]))
+
+
+@dataclass
+class StepOutput:
+    """What the worker hands back for one plan."""
+
+    # request id -> tokens the step emitted (accepted drafts + the recovered or bonus token).
+    new_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> draft tokens made in this step, for its next verification.
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> why its work failed (a transfer, its drafting, the whole step).
+    errors: dict[str, str] = field(default_factory=dict)
+    # Timings (perf_counter seconds): step start, wall time, time blocked on the link, drafting.
+    start: float = 0.0
+    wall_s: float = 0.0
+    wait_s: float = 0.0
+    draft_s: float = 0.0
+
+    @classmethod
+    def failed(cls, plan: StepPlan, message: str, request_id: str | None = None) -> StepOutput:
+        """The output of a step that broke: every request of the plan fails (or only
+        ``request_id`` when the failure belongs to it)."""
+        rids = (request_id,) if request_id in plan.request_ids else plan.request_ids
+        return cls(errors={rid: message for rid in rids})

@@ -1,0 +1,195 @@
+"""Runs one StepPlan on the device: the target forward, verification, drafting, write-backs.
+
+The worker reads the plan and never touches requests; it returns a StepOutput. What has device
+state lives here, keyed by request id: the proposer's draft caches, each request's generator,
+the draft probabilities its pending drafts were sampled from.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specstream.backends.base import TransferBackend, TransferError
+from specstream.engine.attention import StepAttention
+from specstream.engine.drafting import Drafting
+from specstream.engine.history import HistorySource
+from specstream.engine.request import RequestError
+from specstream.engine.step import DraftWork, StepOutput, StepPlan
+from specstream.engine.trace import Tracer
+from specstream.kvcache.storage import KVStore
+from specstream.models.decoder import CausalLM
+from specstream.sampling import make_generator
+from specstream.sampling_params import SamplingParams
+from specstream.spec.acceptance import accept_drafts
+from specstream.spec.proposer import ProposeJob, Proposer, ProposeRequest
+
+
+class Worker:
+    """``drafting`` decides where the drafts of requests not verified in a step run (after
+    verification, in the link's gaps, or on a second device); see ``engine/drafting.py``."""
+
+    def __init__(
+        self, model: CausalLM, store: KVStore, backend: TransferBackend, history: HistorySource,
+        proposer: Proposer | None, drafting: Drafting, tracer: Tracer | None = None,
+    ) -> None:
+        self.model, self.store, self.backend, self.history = model, store, backend, history
+        self.proposer, self.drafting = proposer, drafting
+        self.device = store.device.device
+        self.tracer = tracer or Tracer(False)
+        self.generators: dict[str, torch.Generator | None] = {}
+        # [num_drafts, V] fp32 per request with pending sampled drafts (None: point masses)
+        self.draft_probs: dict[str, torch.Tensor | None] = {}
+
+    # ---- the step -----------------------------------------------------------------------
+    def run(self, plan: StepPlan) -> StepOutput:
+        """Run the plan. Drafts for requests not verified in the step run per the drafting
+        strategy; drafts for requests it verifies run after their verification."""
+        t0 = time.perf_counter()
+        out = StepOutput(start=t0)
+        for rid in plan.finished:
+            self.release(rid)
+        wait0 = self.history.wait_s
+        during = [d for d in plan.drafts if not d.after_verify]
+        job = self._start(during, {}, out)
+        self.drafting.begin(job, self.history)
+        try:
+            if plan.seqs:
+                with self.tracer.span("verify", "verify", tokens=plan.num_tokens):
+                    self._forward_and_verify(plan, out)
+        except BaseException:
+            self.drafting.abort()
+            for d in plan.drafts:  # their draft caches may be part-advanced: start them anew
+                self.release(d.request_id)
+            raise
+        out.wait_s = self.history.wait_s - wait0
+        out.draft_s = self.drafting.end()
+        self._take(job, out)
+        after = [d for d in plan.drafts if d.after_verify and d.request_id not in out.errors]
+        job = self._start(after, out.new_tokens, out)
+        if job is not None:
+            d0 = time.perf_counter()
+            self.drafting.run_now(job)
+            out.draft_s += time.perf_counter() - d0
+            self._take(job, out)
+        out.wall_s = time.perf_counter() - t0
+        return out
+
+    def writeback(self, moves: dict[str, list[tuple[int, int]]]) -> dict[str, str]:
+        """Copy tail blocks to the host tier and wait for them; returns errors per request."""
+        handles = [(rid, self.store.writeback(pairs, rid)) for rid, pairs in moves.items()]
+        errors: dict[str, str] = {}
+        for rid, hs in handles:
+            for h in hs:
+                try:
+                    h.wait()
+                except TransferError as exc:
+                    errors[rid] = f"KV write-back failed: {exc}"
+        return errors
+
+    def release(self, request_id: str) -> None:
+        """Drop everything held for a request (finished, or its drafting state is stale)."""
+        self.generators.pop(request_id, None)
+        self.draft_probs.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.free(request_id)
+
+    # ---- drafting -----------------------------------------------------------------------
+    def _start(self, work: list[DraftWork], new_tokens: dict[str, list[int]],
+               out: StepOutput) -> ProposeJob | None:
+        """The proposer's job for ``work`` (tokens emitted this step appended); a request the
+        proposer refuses fails alone, with its error in ``out``."""
+        batch = []
+        for d in work:
+            new = new_tokens.get(d.request_id, [])
+            if d.count(len(new)) > 0:
+                batch.append(ProposeRequest(d.request_id, d.token_ids + tuple(new),
+                                            d.count(len(new)), d.params))
+            else:
+                out.drafts[d.request_id] = []
+        assert self.proposer is not None or not batch
+        while batch:
+            try:
+                return self.proposer.start(batch)  # type: ignore[union-attr]
+            except RequestError as exc:
+                out.errors[exc.request_id] = f"drafting failed: {exc}"
+                batch = [b for b in batch if b.request_id != exc.request_id]
+        return None
+
+    def _take(self, job: ProposeJob | None, out: StepOutput) -> None:
+        """Keep a finished job's drafts: ids for the scheduler, probabilities here."""
+        if job is None:
+            return
+        for r, prop in zip(job.requests, job.result()):
+            out.drafts[r.request_id] = list(prop.token_ids)
+            self.draft_probs[r.request_id] = prop.probs
+
+    # ---- verification -------------------------------------------------------------------
+    @torch.no_grad()
+    def _forward_and_verify(self, plan: StepPlan, out: StepOutput) -> None:
+        ids = [t for s in plan.seqs for t in s.token_ids]
+        pos = [p for s in plan.seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))]
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        ctx = StepAttention(plan, self.store, self.history)
+        self.history.begin(plan)
+        try:
+            hidden = self.model(input_ids, positions, ctx)
+        finally:
+            self.history.end()
+        out.errors.update(ctx.failed)
+        # rows whose logits are needed: the last token and every draft of sampling requests
+        sampled = [i for i, s in enumerate(plan.seqs) if s.sample and s.request_id not in
+                   out.errors]
+        if sampled:
+            self._verify(plan, sampled, ctx.rows, hidden, out)
+
+    def _verify(
+        self,
+        plan: StepPlan,
+        sampled: list[int],
+        rows: list[tuple[int, int]],
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        out: StepOutput,
+    ) -> None:
+        q = max(plan.seqs[i].num_drafts for i in sampled)
+        index = torch.zeros(len(sampled), q + 1, dtype=torch.long)
+        for b, i in enumerate(sampled):
+            s, hi = plan.seqs[i], rows[i][1]
+            n = s.num_drafts + 1
+            index[b, :n] = torch.arange(hi - n, hi)
+            index[b, n:] = hi - 1  # padding rows, never read past num_drafts
+        logits = self.model.compute_logits(hidden[index.view(-1).to(self.device)])
+        logits = logits.view(len(sampled), q + 1, -1)
+        seqs = [plan.seqs[i] for i in sampled]
+        drafts = torch.zeros(len(sampled), q, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            if s.num_drafts:
+                tail = s.token_ids[len(s.token_ids) - s.num_drafts :]
+                drafts[b, : s.num_drafts] = torch.tensor(tail, dtype=torch.long)
+        probs = [self.draft_probs.get(s.request_id) if s.num_drafts else None for s in seqs]
+        draft_probs = None
+        if any(p is not None for p in probs):
+            vocab = logits.shape[-1]
+            draft_probs = torch.zeros(len(seqs), q, vocab, dtype=torch.float32)
+            for b, (s, p) in enumerate(zip(seqs, probs)):
+                if p is not None:
+                    draft_probs[b, : s.num_drafts] = p[: s.num_drafts].float().cpu()
+                elif s.num_drafts:  # point-mass drafts in a mixed batch
+                    draft_probs[b].scatter_(1, drafts[b].view(-1, 1), 1.0)
+        result = accept_drafts(
+            logits.cpu(), drafts, [s.num_drafts for s in seqs], draft_probs,
+            [s.params for s in seqs], [self._generator(s.request_id, s.params) for s in seqs],
+        )
+        for s, toks in zip(seqs, result.output_tokens):
+            out.new_tokens[s.request_id] = toks
+            if self.proposer is not None:  # the draft forgets what the target rejected
+                self.proposer.rollback(s.request_id, s.start_pos + len(s.token_ids)
+                                       - s.num_drafts + len(toks) - 1)
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+        """The request's own generator (seeded requests), made when first needed."""
+        if request_id not in self.generators:
+            self.generators[request_id] = make_generator(params, self.device)
+        return self.generators[request_id]

@@ -1,0 +1,168 @@
+"""The scheduler as a specification: schedule -> hand-built StepOutput -> update, no model.
+
+The scheduler decides what each step does (which requests, which prefill chunks, who drafts
+when) and folds the worker's output back into the requests; nothing here runs a tensor.
+"""
+
+from __future__ import annotations
+
+from specstream.config import EngineConfig
+from specstream.engine.request import Request
+from specstream.engine.scheduler import Scheduler
+from specstream.engine.step import StepOutput, StepPlan
+from specstream.kvcache.manager import KVManager, OffloadPolicy
+from specstream.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def _offload_scheduler(**cfg) -> Scheduler:
+    config = EngineConfig(**{**dict(mode="specstream", block_size=16, max_prefill_tokens=64,
+                                    proposer="ngram", num_speculative_tokens=2,
+                                    offload_after_tokens=64, resident_tail_tokens=32,
+                                    chunk_tokens=64), **cfg})
+    policy = OffloadPolicy(offload=True, resident_tail_tokens=32, offload_after_tokens=64,
+                           chunk_tokens=64)
+    return Scheduler(config, KVManager(16, 256, 256, policy), max_model_len=4096,
+                     eos_token_ids=[EOS])
+
+
+def _resident_scheduler(**cfg) -> Scheduler:
+    config = EngineConfig(**{**dict(mode="resident", block_size=16, max_prefill_tokens=64), **cfg})
+    return Scheduler(config, KVManager(16, 256, 0, OffloadPolicy(offload=False)),
+                     max_model_len=4096, eos_token_ids=[EOS])
+
+
+def _emit(plan: StepPlan, accepted: int = 0, token: int = 5, drafts=(6, 7)) -> StepOutput:
+    """What a worker would return: every sampling request accepts ``accepted`` drafts and
+    emits ``token`` after them; every draft job proposes ``drafts``."""
+    out = StepOutput()
+    for s in plan.seqs:
+        if s.sample:
+            drafted = list(s.token_ids[len(s.token_ids) - s.num_drafts:])
+            out.new_tokens[s.request_id] = drafted[:accepted] + [token]
+    for d in plan.drafts:
+        out.drafts[d.request_id] = list(drafts)[: d.num_tokens]
+    return out
+
+
+def test_prefill_budget_goes_to_the_oldest_prompt_first() -> None:
+    sched = _resident_scheduler()
+    for i in range(3):
+        sched.add(Request(str(i), list(range(3, 153)), SamplingParams(max_tokens=4)))
+    starts = []
+    for _ in range(2):  # the rotation starts elsewhere each step; prefill order does not
+        plan = sched.schedule()
+        assert [s.request_id for s in plan.seqs] == ["0"] and plan.seqs[0].prefill
+        starts.append(plan.seqs[0].start_pos)
+        sched.update(plan, StepOutput())  # a chunk that samples nothing: KV committed
+    assert starts == [0, 64]
+    plan = sched.schedule()  # request 0 has 22 tokens left: the rest of the budget is 1's
+    assert [(s.request_id, len(s.token_ids)) for s in plan.seqs] == [("0", 22), ("1", 42)]
+    assert plan.seqs[0].sample and not plan.seqs[1].sample
+
+
+def test_two_groups_alternate_and_prefill_steps_verify_everyone() -> None:
+    """A decode-only step verifies one group while the other drafts; a step that carries a
+    prefill chunk verifies every request with drafts, and they draft right after it."""
+    sched = _offload_scheduler()
+    params = SamplingParams(max_tokens=8)
+    for i in range(2):
+        sched.add(Request(f"d{i}", list(range(3, 43)), params))
+    plan = sched.schedule()  # d0's whole prompt and the start of d1's
+    assert [(s.request_id, len(s.token_ids)) for s in plan.seqs] == [("d0", 40), ("d1", 24)]
+    assert [(d.request_id, d.after_verify) for d in plan.drafts] == [("d0", True)]
+    sched.update(plan, _emit(plan))
+    assert sched.requests["d0"].draft_token_ids == [6, 7]
+    plan = sched.schedule()  # d0 verifies beside the rest of d1's prompt
+    assert {s.request_id for s in plan.seqs} == {"d0", "d1"}
+    assert {d.request_id for d in plan.drafts if d.after_verify} == {"d0", "d1"}
+    sched.update(plan, _emit(plan))
+    assert sorted(r.group for r in sched.running) == [0, 1]
+    plan = sched.schedule()  # decode only: one group verifies, the other drafts meanwhile
+    (verified,) = [s.request_id for s in plan.seqs]
+    assert [(d.request_id, d.after_verify) for d in plan.drafts] == []  # both have drafts
+    sched.update(plan, _emit(plan))
+    assert sched.requests[verified].needs_draft  # it drafts during the next step
+    plan = sched.schedule()
+    other = ({"d0", "d1"} - {verified}).pop()
+    assert [s.request_id for s in plan.seqs] == [other]
+    assert [(d.request_id, d.after_verify) for d in plan.drafts] == [(verified, False)]
+    sched.update(plan, _emit(plan))
+    sched.add(Request("p", list(range(3, 100)), params))  # a new prompt arrives
+    plan = sched.schedule()  # every request with drafts verifies beside the prompt's chunk
+    assert {s.request_id for s in plan.seqs} == {verified, "p"}
+    # the request verified last drafts meanwhile; the verified one drafts right after (the
+    # prompt's chunk samples nothing yet, so it does not draft)
+    assert {(d.request_id, d.after_verify) for d in plan.drafts} == {
+        (other, False), (verified, True)}
+
+
+def test_update_appends_accepted_drafts_and_rolls_the_rest_back() -> None:
+    sched = _resident_scheduler(proposer="ngram", num_speculative_tokens=3)
+    sched.add(Request("r", list(range(3, 23)), SamplingParams(max_tokens=20)))
+    plan = sched.schedule()
+    sched.update(plan, _emit(plan, drafts=(8, 9, 10)))  # prefill: first token 5, drafts
+    req = sched.requests["r"]
+    assert req.output_token_ids == [5] and req.num_computed_tokens == 20
+    plan = sched.schedule()
+    assert plan.seqs[0].token_ids == (5, 8, 9, 10)
+    update = sched.update(plan, _emit(plan, accepted=2, token=11, drafts=(12, 13, 14)))
+    assert req.output_token_ids == [5, 8, 9, 11]
+    assert update.num_appended == 3
+    # KV kept for 5, 8 and 9; the rejected draft 10 rolled back; 11 has none yet
+    assert req.num_computed_tokens == 23 and sched.kv.num_tokens("r") == 23
+    assert (req.num_rounds, req.num_proposed, req.num_accepted) == (1, 3, 2)
+
+
+def test_stops_end_requests_and_free_their_kv() -> None:
+    sched = _resident_scheduler()
+    sched.add(Request("eos", [3, 4, 5], SamplingParams(max_tokens=10)))
+    sched.add(Request("len", [3, 4, 5], SamplingParams(max_tokens=2, ignore_eos=True)))
+    sched.add(Request("ign", [3, 4, 5], SamplingParams(max_tokens=10, ignore_eos=True)))
+    told = []
+    for _ in range(2):
+        plan = sched.schedule()
+        told += plan.finished
+        sched.update(plan, _emit(plan, token=EOS))
+    reqs = sched.requests
+    assert (reqs["eos"].finish_reason, reqs["eos"].output_token_ids) == ("stop", [EOS])
+    assert (reqs["len"].finish_reason, reqs["len"].output_token_ids) == ("length", [EOS, EOS])
+    assert not reqs["ign"].finished
+    assert set(sched.kv.seqs) == {"ign"}  # finished requests hold no blocks
+    told += sched.schedule().finished
+    assert sorted(told) == ["eos", "len"]  # the worker is told once, in the next plan
+    assert sched.schedule().finished == ()
+
+
+def test_errors_fail_their_request_and_a_missing_output_is_retried() -> None:
+    sched = _resident_scheduler()
+    for rid in ("bad", "later", "ok"):
+        sched.add(Request(rid, [3, 4, 5], SamplingParams(max_tokens=4)))
+    plan = sched.schedule()
+    out = _emit(plan)
+    out.errors["bad"] = "KV restore failed: injected"
+    del out.new_tokens["later"]  # it did not run (e.g. another request's drafting failed)
+    sched.update(plan, out)
+    assert sched.requests["bad"].finish_reason == "error"
+    assert sched.requests["bad"].error == "KV restore failed: injected"
+    assert "bad" not in sched.kv.seqs
+    later = sched.requests["later"]
+    assert later.output_token_ids == [] and later.num_computed_tokens == 0
+    plan = sched.schedule()
+    assert [s for s in plan.seqs if s.request_id == "later"][0].start_pos == 0  # again
+
+
+def test_tails_past_the_threshold_are_written_back() -> None:
+    sched = _offload_scheduler(mode="offload", proposer=None, num_speculative_tokens=None)
+    sched.add(Request("r", list(range(3, 103)), SamplingParams(max_tokens=8)))
+    moves = {}
+    while sched.requests["r"].in_prefill:
+        plan = sched.schedule()
+        update = sched.update(plan, _emit(plan))
+        moves.update(update.writebacks)
+        sched.complete_writebacks(update.writebacks, {})
+    # 101 tokens with KV: past 64, everything but a 32-token tail (whole blocks) moves
+    assert len(moves["r"]) == 4 and sched.kv.host_tokens("r") == 64
+    held = len(sched.kv.seqs["r"].device_blocks)
+    assert sched.kv.device.num_used == held  # the copied blocks were freed
