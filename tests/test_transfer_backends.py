@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import time
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 
 import pytest
@@ -65,9 +66,43 @@ def test_round_trip_is_bitwise(cpu: TransferBackend, dtype: torch.dtype) -> None
     assert torch.equal(bits(back), bits(host))
 
 
-def test_h2d_overtakes_queued_d2h() -> None:
-    backend = make_backend("cpu", link_gbps=0.01)  # 10 MB/s: the 4 MB blocker takes 0.4 s
+class LinkClock:
+    """A fake clock for the emulated link. ``sleep`` moves ``now`` on by what was asked plus
+    ``late_s`` (a copy thread that wakes late); while ``gate`` is clear, ``sleep`` blocks, which
+    holds the copy worker on the link so that the test can queue copies behind it."""
+
+    def __init__(self, late_s: float = 0.0) -> None:
+        self.now = 100.0
+        self.late_s = late_s
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.gate.wait()
+        self.now += seconds + self.late_s
+
+
+@contextmanager
+def fake_link(gbps: float, late_s: float = 0.0,
+              held: bool = False) -> Iterator[tuple[CpuBackend, LinkClock]]:
+    """A CPU backend paced at ``gbps`` on a fake clock; ``held``: the first copy stays on the
+    link until the test sets ``clock.gate``."""
+    clock = LinkClock(late_s)
+    if held:
+        clock.gate.clear()
+    backend = CpuBackend(link_gbps=gbps, now=clock.perf_counter, sleep=clock.sleep)
     try:
+        yield backend, clock
+    finally:
+        clock.gate.set()
+        backend.close()
+
+
+def test_h2d_overtakes_queued_d2h() -> None:
+    with fake_link(0.01, held=True) as (backend, clock):
         blocker = backend.h2d(torch.empty(1 << 20), torch.ones(1 << 20), tag="blocker")
         small = [torch.ones(16) for _ in range(5)]
         backend.d2h(torch.empty(16), small[0], tag="d0")
@@ -76,56 +111,62 @@ def test_h2d_overtakes_queued_d2h() -> None:
         backend.h2d(torch.empty(16), small[3], tag="h0")
         backend.h2d(torch.empty(16), small[4], tag="h1")
         assert not blocker.done()  # everything above was queued while the link was busy
+        clock.gate.set()
         backend.synchronize()
         order = [r.tag for r in backend.busy_intervals()]
         assert order == ["blocker", "h0", "h1", "d0", "d1", "d2"]
-    finally:
-        backend.close()
 
 
-def test_throttle_lower_bound() -> None:
-    gbps, nbytes = 0.1, 4 << 20  # 42 ms per copy at 0.1 GB/s
-    backend = make_backend("cpu", link_gbps=gbps)
-    try:
+def test_throttle_paces_copies_at_link_gbps() -> None:
+    """Each copy holds the link for nbytes / link_gbps, one after another, and its waiter sees
+    it only once it has landed."""
+    gbps, nbytes = 0.1, 4 << 20
+    per_copy = nbytes / (gbps * 1e9)  # 42 ms
+    with fake_link(gbps) as (backend, clock):
         src = torch.ones(nbytes // 4)
-        start = time.perf_counter()
-        handles = [backend.h2d(torch.empty_like(src), src, tag=i) for i in range(3)]
+        t0 = clock.now
+        dsts = [torch.empty_like(src) for _ in range(3)]
+        handles = [backend.h2d(d, src, tag=i) for i, d in enumerate(dsts)]
+        landed = []
         for h in handles:
             h.wait()
-        elapsed = time.perf_counter() - start
-        assert elapsed >= 3 * nbytes / (gbps * 1e9)
-        assert backend.stats()["busy_s"] >= 3 * nbytes / (gbps * 1e9) * (1 - 1e-9)
-    finally:
-        backend.close()
+            landed.append(clock.now)
+        records = backend.busy_intervals()
+        assert [r.tag for r in records] == [0, 1, 2]
+        for i, r in enumerate(records):
+            assert r.start == pytest.approx(t0 + i * per_copy)
+            assert r.end == pytest.approx(t0 + (i + 1) * per_copy)
+            assert landed[i] >= r.end
+        assert clock.now == pytest.approx(t0 + 3 * per_copy)  # no more time than the link's
+        assert backend.stats()["busy_s"] == pytest.approx(3 * per_copy)
+        assert all(torch.equal(d, src) for d in dsts)
 
 
 def test_link_clock_keeps_queued_copies_back_to_back() -> None:
     """Copies queued behind a busy link start when the previous one lands on the link clock,
-    however late the copy thread wakes (here: the test thread hogs the interpreter lock); a copy
-    queued on an idle link starts when it is queued."""
-    gbps, nbytes = 1.0, 1 << 20  # ~1 ms per copy
-    backend = make_backend("cpu", link_gbps=gbps)
-    try:
+    however late the copy thread wakes (here: 2.5 copy times late at every wake-up); a copy
+    queued on an idle link starts when it is queued, and the idle time is not busy time."""
+    gbps, nbytes = 1.0, 1 << 20
+    per_copy = nbytes / (gbps * 1e9)  # ~1 ms
+    with fake_link(gbps, late_s=2.5 * per_copy, held=True) as (backend, clock):
         src = torch.ones(nbytes // 4)
-        t0 = time.perf_counter()
+        t0 = clock.now
         handles = [backend.h2d(torch.empty_like(src), src, tag=i) for i in range(6)]
-        x = 0
-        while time.perf_counter() - t0 < 0.004:  # pure-Python spin: holds the GIL in turns
-            x += 1
+        clock.gate.set()  # all six queued while the first one held the link
         for h in handles:
             h.wait()
-        time.sleep(0.02)  # the link goes idle
-        t1 = time.perf_counter()
-        backend.h2d(torch.empty_like(src), src, tag="late").wait()
         records = backend.busy_intervals()
-        per_copy = nbytes / (gbps * 1e9)
-        assert records[0].start >= t0
+        assert records[0].start == t0
         for a, b in zip(records[:5], records[1:6]):
             assert b.start == a.end
             assert b.end - b.start == pytest.approx(per_copy)
-        assert records[6].start >= t1 > records[5].end
-    finally:
-        backend.close()
+        assert clock.now > records[5].end  # the worker did wake late
+        clock.now += 0.02  # the link goes idle
+        t1 = clock.now
+        backend.h2d(torch.empty_like(src), src, tag="late").wait()
+        records = backend.busy_intervals()
+        assert records[6].start == t1 > records[5].end
+        assert backend.stats()["busy_s"] == pytest.approx(7 * per_copy)
 
 
 def test_stats_count_bytes(cpu: TransferBackend) -> None:

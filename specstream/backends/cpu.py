@@ -21,6 +21,7 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -78,16 +79,24 @@ class _Job:
     direction: str
     handle: CpuHandle
     fail: bool  # fault injection decided at submit time
-    submitted: float = 0.0  # perf_counter() when queued
+    submitted: float = 0.0  # the link clock's now() when queued
     gather: tuple[Tensor, Tensor, Tensor] | None = None  # (dst, src, index): one index_select
 
 
 @register_backend("cpu")
 class CpuBackend(TransferBackend):
-    """Emulated link: one daemon copy worker, h2d before d2h, optional bandwidth throttle."""
+    """Emulated link: one daemon copy worker, h2d before d2h, optional bandwidth throttle.
 
-    def __init__(self, device: str = "cpu", link_gbps: float | None = None) -> None:
+    `now` and `sleep` are the link clock (`time.perf_counter` and `time.sleep`); tests pass a
+    fake clock to check the pacing without waiting for it.
+    """
+
+    def __init__(
+        self, device: str = "cpu", link_gbps: float | None = None, *,
+        now: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         super().__init__(device, link_gbps)
+        self._now, self._sleep = now, sleep
         self._queue: queue.PriorityQueue[tuple[int, int, _Job | None]] = queue.PriorityQueue()
         self._seq = itertools.count()
         self._closed = False
@@ -131,7 +140,7 @@ class CpuBackend(TransferBackend):
             raise RuntimeError("CpuBackend is closed")
         handle = CpuHandle(tag)
         job = _Job(pairs, direction, handle, fail=self._should_fail(tag),
-                   submitted=time.perf_counter(), gather=gather)
+                   submitted=self._now(), gather=gather)
         self._queue.put((_PRIORITY[direction], next(self._seq), job))
         return handle
 
@@ -150,7 +159,7 @@ class CpuBackend(TransferBackend):
         if job.gather is not None:
             rows = job.gather[0]
             nbytes += rows.numel() * rows.element_size()
-        start = time.perf_counter()
+        start = self._now()
         try:
             if job.fail:
                 raise TransferError(
@@ -162,13 +171,13 @@ class CpuBackend(TransferBackend):
                 rows, table, index = job.gather
                 torch.index_select(table, 0, index, out=rows)
             if self.link_gbps is None:
-                end = time.perf_counter()
+                end = self._now()
             else:
                 start = max(job.submitted, self._link_free_at)
                 end = self._link_free_at = start + nbytes / (self.link_gbps * 1e9)
-                remaining = end - time.perf_counter()
+                remaining = end - self._now()
                 if remaining > 0:
-                    time.sleep(remaining)
+                    self._sleep(remaining)
             self._record(start, end, job.direction, nbytes, job.handle.tag)
         except BaseException as exc:  # noqa: BLE001  (delivered to the waiter, worker lives on)
             job.handle.error = exc
