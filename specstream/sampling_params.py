@@ -68,8 +68,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or >= 1, got {self.top_k!r}")
+        if not -1 <= self.top_k < 1 << 31:
+            raise ValueError(f"top_k must be -1, 0 (off) or in [1, 2**31), got {self.top_k!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
         if self.n < 1:

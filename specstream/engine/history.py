@@ -62,6 +62,15 @@ class HistorySource(ABC):
         self.peak_bytes = 0  # device bytes this source held at most
         self.wait_s = 0.0  # time attention sat waiting for copies (summed over steps)
         self.gap: GapFiller | None = None  # drafting to run while waiting (stream only)
+        # Bytes/s the link moves while busy, for landing estimates: a first guess (the
+        # configured rate, where there is one), then measured from completed copies.
+        self.link_bps = 10e9
+
+    def observe_link(self, nbytes: int, busy_s: float) -> None:
+        """Fold a step's completed copies into the link-rate estimate (EMA over steps that
+        moved at least a megabyte, so a few tiny copies do not swing it)."""
+        if nbytes >= 1 << 20 and busy_s > 0:
+            self.link_bps = 0.7 * self.link_bps + 0.3 * nbytes / busy_s
 
     def begin(self, plan: StepPlan) -> None:  # noqa: B027
         """Issue what can be issued before the forward pass."""
@@ -163,8 +172,6 @@ class ChunkStream(HistorySource):
         self.ring = [store.backend.alloc_device(shape, store.dtype) for _ in range(staging_buffers)]
         self.ring_bytes = staging_buffers * chunk_tokens * store.layer_token_bytes
         self.chunk_bytes_per_block = store.block_size * store.layer_token_bytes
-        # bytes/s of the link, for the gap filler's landing estimates (refined by the engine)
-        self.link_bps = 10e9
         self._link_free_at = 0.0
 
     def begin(self, plan: StepPlan) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,10 @@ from typing import Any
 import torch
 
 from specstream.backends import limit_compute_threads, make_backend
-from specstream.config import EngineConfig, default_offload_after
+from specstream.config import EngineConfig
 from specstream.engine.drafting import DRAFTING
-from specstream.engine.history import ChunkStream, make_source
+from specstream.engine.history import make_source
+from specstream.engine.layout import RuntimeLayout
 from specstream.engine.request import CompletionOutput, Request, RequestError, RequestOutput
 from specstream.engine.scheduler import Scheduler
 from specstream.engine.step import StepOutput, StepPlan
@@ -30,6 +32,7 @@ from specstream.spec.proposer import Proposer
 from specstream.tokenizer import Tokenizer
 
 log = logging.getLogger("specstream.engine")
+MAX_ROUND_RECORDS = 100_000  # round records kept for the bench and traces (~10 MB)
 
 
 class LLMEngine:
@@ -53,45 +56,31 @@ class LLMEngine:
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
-        self.max_model_len = self.model_config.max_position_embeddings
+        self.layout = layout = RuntimeLayout.build(config, self.model_config,
+                                                   self.dtype.itemsize, frozenset(eos))
+        self.eos_token_ids = layout.eos_token_ids
+        self.max_model_len = layout.max_model_len
         self.backend = make_backend(device.split(":")[0], link_gbps=config.link_gbps)
         mode = config.mode_spec
-        block_bytes = (config.block_size
-                       * self.model_config.kv_bytes_per_token(self.dtype.itemsize))
-        layer_token_bytes = block_bytes // (config.block_size * self.model_config.num_layers)
-        budget = config.device_budget
-        reserve = {"none": 0, "restore": budget // 2,
-                   "stream": config.staging_buffers * config.chunk_tokens * layer_token_bytes}
-        history_reserve = reserve[mode.history]
-        num_device_blocks = (budget - history_reserve) // block_bytes
-        if num_device_blocks < 2:
-            raise ValueError(
-                f"device_kv_bytes={budget} leaves {num_device_blocks} KV blocks of "
-                f"{block_bytes} bytes after {history_reserve} bytes of staging; raise it"
-            )
-        num_host_blocks = config.host_kv_bytes // block_bytes if mode.offload else 0
         policy = OffloadPolicy(
             offload=mode.offload,
             resident_tail_tokens=config.resident_tail_tokens,
-            offload_after_tokens=(config.offload_after_tokens
-                                  if config.offload_after_tokens is not None
-                                  else default_offload_after(self.max_model_len)),
+            offload_after_tokens=layout.offload_after_tokens,
             chunk_tokens=config.chunk_tokens,
         )
-        self.kv = KVManager(config.block_size, num_device_blocks, num_host_blocks, policy)
+        self.kv = KVManager(config.block_size, layout.num_device_blocks, layout.num_host_blocks,
+                            policy)
         self.store = KVStore(self.model_config, self.dtype, config.block_size,
-                             num_device_blocks, num_host_blocks, self.backend)
+                             layout.num_device_blocks, layout.num_host_blocks, self.backend)
         self.history = make_source(mode.history, self.store, config.chunk_tokens,
                                    config.staging_buffers)
-        cap = history_reserve // (2 * layer_token_bytes) if mode.history == "restore" else None
-        tok = self.tokenizer
-        self.scheduler = Scheduler(config, self.kv, restore_token_cap=cap,
-                                   max_model_len=self.max_model_len,
-                                   eos_token_ids=self.eos_token_ids,
-                                   decode=tok.decode if tok is not None else None)
-        if isinstance(self.history, ChunkStream) and config.link_gbps:
+        if config.link_gbps:  # a first estimate; completed copies refine it (see _account)
             self.history.link_bps = config.link_gbps * 1e9
+        tok = self.tokenizer
+        self.scheduler = Scheduler(config, self.kv, restore_token_cap=layout.restore_token_cap,
+                                   max_model_len=layout.max_model_len,
+                                   eos_token_ids=layout.eos_token_ids,
+                                   decode=tok.decode if tok is not None else None)
         self.proposer = self._make_proposer() if config.speculative else None
         self.worker = Worker(self.model, self.store, self.backend, self.history, self.proposer,
                              DRAFTING.get(mode.drafting)(self.tracer), self.tracer)
@@ -106,7 +95,10 @@ class LLMEngine:
         # accepted_per_pos[i]: rounds whose draft at position i was accepted (vLLM's
         # spec_decode_num_accepted_tokens_per_pos), so acceptance by position can be windowed
         self.accepted_per_pos = [0] * max(1, config.q)
-        self.rounds: list[RoundStats] = []
+        # The newest decode rounds (bounded: a server runs for weeks); the floor ratio is kept
+        # as running sums over every round.
+        self.rounds: deque[RoundStats] = deque(maxlen=MAX_ROUND_RECORDS)
+        self._floor_ratio_sum, self._floor_rounds = 0.0, 0
 
     def _make_proposer(self) -> Proposer:
         cfg = self.config
@@ -208,6 +200,7 @@ class LLMEngine:
             else:
                 cur = (cur[0], max(cur[1], r.end))
         busy += cur[1] - cur[0]
+        self.history.observe_link(sum(r.nbytes for r in records), busy)
         wall = end - result.start
         compute = wall - result.wait_s
         c = self.counters
@@ -233,6 +226,9 @@ class LLMEngine:
                 sum(len(result.new_tokens.get(s.request_id, ())) for s in plan.seqs
                     if s.sample and not s.prefill),
             ))
+            if floor > 0:
+                self._floor_ratio_sum += wall / floor
+                self._floor_rounds += 1
             self.tracer.add("round", "round", result.start, end)
 
     def _count_speculation(self, plan: StepPlan, result: StepOutput) -> None:
@@ -298,8 +294,8 @@ class LLMEngine:
         c["mean_accepted_len"] = (c["accepted_tokens"] + rounds) / rounds if rounds else 0.0
         dt = c["decode_time_s"]
         c["link_utilization"] = c["decode_link_busy_s"] / dt if dt else 0.0
-        floors = [r.wall_s / r.floor_s for r in self.rounds if r.floor_s > 0]
-        c["round_time_over_floor"] = sum(floors) / len(floors) if floors else 0.0
+        n = self._floor_rounds
+        c["round_time_over_floor"] = self._floor_ratio_sum / n if n else 0.0
         return c
 
     def close(self) -> None:
