@@ -82,10 +82,14 @@ def build_prompts(args: argparse.Namespace) -> list[list[int]]:
 
 
 async def one_request(client: httpx.AsyncClient, args: argparse.Namespace,
-                      prompt: list[int]) -> Result:
+                      prompt: list[int], i: int = 0) -> Result:
     payload = {"model": args.model, "prompt": prompt, "max_tokens": args.output_len,
                "temperature": args.temperature, "stream": True,
                "stream_options": {"include_usage": True}, "ignore_eos": args.ignore_eos}
+    pick = random.Random(f"{args.seed}-{i}")
+    if pick.random() < args.sampled_fraction:  # sampled, with a seed anywhere in 64 bits
+        seed = pick.choice([0, (1 << 64) - 1, pick.getrandbits(64)])
+        payload.update(temperature=args.sample_temperature, seed=seed)
     res = Result(ok=False, prompt_tokens=len(prompt))
     t0 = time.perf_counter()
     try:
@@ -137,7 +141,7 @@ async def run(args: argparse.Namespace,
                                  timeout=timeout) as client:
         async def task(i: int) -> None:
             async with sem:
-                results.append(await one_request(client, args, prompts[i % len(prompts)]))
+                results.append(await one_request(client, args, prompts[i % len(prompts)], i))
 
         tasks, i = [], 0
         if args.request_rate is None:  # closed loop: each worker starts its next on completion
@@ -145,7 +149,8 @@ async def run(args: argparse.Namespace,
                 nonlocal i
                 while more(i):
                     i += 1
-                    results.append(await one_request(client, args, prompts[i % len(prompts)]))
+                    results.append(await one_request(client, args, prompts[i % len(prompts)],
+                                                     i))
 
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         else:
@@ -165,7 +170,8 @@ async def server_metrics(client: httpx.AsyncClient) -> dict[str, float]:
     except httpx.HTTPError:
         return {}
     keep = ("specstream_spec_mean_accepted_len", "specstream_spec_acceptance_rate",
-            "specstream_generation_tokens_total", "specstream_kv_host_used_bytes")
+            "specstream_generation_tokens_total", "specstream_kv_device_used_bytes",
+            "specstream_kv_host_used_bytes", "specstream_engine_loop_errors_total")
     out = {}
     for line in text.splitlines():  # `name{model_name="..."} value`; these have no other label
         name = line.split("{", 1)[0].split(" ", 1)[0]
@@ -229,6 +235,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prompt lengths drawn from prompt_len * U(1-r, 1+r)")
     p.add_argument("--num-prompts", type=int, default=64, help="distinct prompts to cycle")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--sampled-fraction", type=float, default=0.0,
+                   help="share of requests sampled at --sample-temperature with a seed "
+                        "(0, 2**64-1 or random 64-bit)")
+    p.add_argument("--sample-temperature", type=float, default=0.8)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--tokenizer", default=None,
                    help="model folder whose tokenizer cuts the prompts (default: embedded "
