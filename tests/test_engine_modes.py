@@ -100,7 +100,8 @@ def test_overlapped_modes_two_groups(tiny_target, tiny_draft, reference, mode):
                      draft_model=tiny_draft, num_speculative_tokens=3, link_gbps=2.0, **OFFLOAD)
     assert tokens == reference + ref_tail
     assert m["rounds"] > 0 and m["link_utilization"] > 0
-    assert m["round_time_over_floor"] >= 0.99  # a round can never beat its floor
+    # no decode step moves its bytes faster than the emulated link's rate
+    assert m["decode_link_floor_s"] > 0 and m["decode_time_over_link_floor"] >= 0.999
 
 
 def test_restore_cap_runs_one_request_per_step(tiny_target, tiny_draft):

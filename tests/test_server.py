@@ -165,9 +165,12 @@ def test_models_health_metrics(server: LiveServer) -> None:
                  "specstream_spec_mean_accepted_len", "specstream_link_utilisation",
                  'specstream_link_bytes_total{direction="h2d"}',
                  'specstream_link_bytes_total{direction="d2h"}',
-                 'specstream_time_to_first_token_seconds_bucket{le="+Inf"}',
-                 'specstream_requests_finished_total{finish_reason="length"}'):
+                 'specstream_time_to_first_token_seconds_bucket{le="+Inf"}'):
         assert name in m, name
+    # finished by length or by eos: the random model's choice (its tokenizer is trained on
+    # this repository's sources, so it changes with them)
+    assert sum(v for k, v in m.items()
+               if k.startswith("specstream_requests_finished_total{finish_reason=")) >= 1
     for tier in ("device", "host"):
         used = m[f'specstream_kv_cache_blocks_used{{tier="{tier}"}}']
         total = m[f'specstream_kv_cache_blocks_total{{tier="{tier}"}}']
@@ -262,7 +265,7 @@ def test_32_concurrent_streams_equal_offline(server: LiveServer, offline: LLM) -
 
     assert asyncio.run(main()) == ref
     assert server.engine.engine.kv.device.num_used == 0
-    assert server.engine.engine.counters["proposed_tokens"] > 0  # speculation was exercised
+    assert server.engine.engine.stats.proposed_tokens > 0  # speculation was exercised
 
 
 @pytest.mark.parametrize("body, status, param", [

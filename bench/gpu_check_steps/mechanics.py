@@ -152,7 +152,7 @@ def _run_mode(mode: str, target: Path, draft: Path, g: dict[str, Any],
         eng.step()
     sync(args.device)
     res["prefill_s"] = time.perf_counter() - t0
-    before = dict(eng.counters)
+    before = eng.get_metrics()
     t1 = time.perf_counter()
     while eng.has_unfinished() and time.perf_counter() < deadline:
         eng.step()
@@ -170,7 +170,7 @@ def _run_mode(mode: str, target: Path, draft: Path, g: dict[str, Any],
         h2d_per_step=h2d / steps, link_busy_s=busy, link_util=busy / decode_s,
         link_gbps_busy=h2d / busy / 1e9 if busy else 0.0, link_gbps_decode=h2d / decode_s / 1e9,
         engine_compute_s=d["compute_s"], engine_draft_s=d["draft_s"],
-        engine_round_time_over_floor=m["round_time_over_floor"],
+        engine_decode_time_over_link_floor=m["decode_time_over_link_floor"],
         acceptance_rate=m["acceptance_rate"], mean_accepted_len=m["mean_accepted_len"],
         device_kv_peak_gib=m["device_kv_peak_bytes"] / 2**30,
     )  # fmt: skip

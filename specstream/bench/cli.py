@@ -22,7 +22,8 @@ COLUMNS = [
     ("mode", "{}"), ("output_tokens_per_s", "{:.1f}"),
     ("output_tokens_per_s_per_device", "{:.1f}"), ("decode_tokens_per_s", "{:.1f}"),
     ("devices", "{}"), ("mean_accepted_len", "{:.2f}"), ("link_utilization", "{:.2f}"),
-    ("round_time_over_floor", "{:.2f}"), ("device_kv_peak_bytes", "{:.3g}"),
+    ("floor_s", "{:.1f}"), ("round_time_over_floor", "{:.2f}"),
+    ("decode_only_round_time_over_floor", "{:.2f}"), ("device_kv_peak_bytes", "{:.3g}"),
     ("max_concurrency", "{}"), ("ttft_ms_p50", "{:.0f}"), ("ttft_ms_p99", "{:.0f}"),
     ("tpot_ms_p50", "{:.1f}"), ("tpot_ms_p99", "{:.1f}"), ("outputs_match_reference", "{}"),
 ]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specstream.bench.floors import ComputeModel, add_floors
 from specstream.bench.workload import Workload, build_prompts
 from specstream.llm import LLM
 from specstream.sampling_params import SamplingParams
@@ -78,6 +79,7 @@ def run_mode(
                                                     ignore_eos=True), use_tqdm=False)  # warm-up
     base = llm.get_metrics()
     llm.engine.rounds.clear()
+    llm.engine.prefill_steps.clear()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
@@ -90,12 +92,10 @@ def run_mode(
     decode_t = m["decode_time_s"] - base["decode_time_s"]
     decode_link = m["decode_link_busy_s"] - base["decode_link_busy_s"]
     rounds = llm.engine.rounds
-    floors = [r.wall_s / r.floor_s for r in rounds if r.floor_s > 0]
     # decode-only rounds (no prefill chunk in the step): what the round pipeline itself does,
     # apart from the prompt compute that every mode shares
     pure = [r for r in rounds if not r.prefill_tokens]
     pure_wall = sum(r.wall_s for r in pure)
-    pure_floors = [r.wall_s / r.floor_s for r in pure if r.floor_s > 0]
     accepted = m["accepted_tokens"] - base["accepted_tokens"]
     nrounds = m["rounds"] - base["rounds"]
     result = {
@@ -109,11 +109,9 @@ def run_mode(
         "devices": devices,
         "mean_accepted_len": (accepted + nrounds) / nrounds if nrounds else 1.0,
         "link_utilization": decode_link / decode_t if decode_t else 0.0,
-        "round_time_over_floor": sum(floors) / len(floors) if floors else 0.0,
         "decode_only_tokens_per_s": sum(r.new_tokens for r in pure) / pure_wall if pure else 0.0,
         "decode_only_link_utilization": sum(r.link_s for r in pure) / pure_wall if pure else 0.0,
-        "decode_only_round_time_over_floor":
-            sum(pure_floors) / len(pure_floors) if pure_floors else 0.0,
+        "drafting": llm.config.mode_spec.drafting,
         "prefill_share_of_wall": (wall - pure_wall) / wall if wall else 0.0,
         "mean_round_ms": 1e3 * sum(r.wall_s for r in rounds) / len(rounds) if rounds else 0.0,
         "device_kv_peak_bytes": m["device_kv_peak_bytes"],
@@ -130,13 +128,11 @@ def run_mode(
         "link_utilisation": decode_link / decode_t if decode_t else 0.0,
         "mean_round_s": sum(r.wall_s for r in rounds) / len(rounds) if rounds else 0.0,
         "acceptance_rate": m["acceptance_rate"],
-        "rounds": [
-            {"wall_s": r.wall_s, "link_s": r.link_s, "compute_s": r.compute_s,
-             "draft_s": r.draft_s, "floor_s": r.floor_s, "query_tokens": r.query_tokens,
-             "context_tokens": r.context_tokens, "num_seqs": r.num_seqs,
-             "prefill_tokens": r.prefill_tokens, "new_tokens": r.new_tokens}
-            for r in rounds
-        ],
+        # every decode round, and every step that only prefilled; run_all adds each one's
+        # floor_s (see bench/floors.py)
+        "rounds": [{k: v for k, v in asdict(r).items() if k != "start"} for r in rounds],
+        "prefill_steps": [{k: v for k, v in asdict(r).items() if k != "start"}
+                          for r in llm.engine.prefill_steps],
     }
     if trace is not None:
         path = Path(trace)
@@ -150,7 +146,8 @@ def run_all(
     workload: Workload, s: BenchSettings, modes: tuple[str, ...] = ALL_MODES,
     trace: str | None = None, progress: bool = True,
 ) -> dict[str, dict[str, Any]]:
-    """Every mode on the same workload; ``outputs_match_reference`` compares to resident."""
+    """Every mode on the same workload; ``outputs_match_reference`` compares to resident,
+    whose rounds also give the compute model of every mode's floors."""
     results: dict[str, dict[str, Any]] = {}
     reference: list[list[int]] | None = None
     order = ["resident"] + [m for m in modes if m != "resident"]
@@ -164,7 +161,9 @@ def run_all(
         llm.close()
         if reference is None:
             reference = tokens
+            model = ComputeModel.fit(res["rounds"] + res["prefill_steps"])
         res["outputs_match_reference"] = tokens == reference
+        add_floors({mode: res}, model)
         if mode in modes:
             results[mode] = res
         if progress:

@@ -6,7 +6,6 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from specstream.engine.history import make_source
 from specstream.engine.layout import RuntimeLayout
 from specstream.engine.request import CompletionOutput, Request, RequestError, RequestOutput
 from specstream.engine.scheduler import Scheduler
+from specstream.engine.stats import EngineStats, RoundStats
 from specstream.engine.step import StepOutput, StepPlan
 from specstream.engine.trace import Tracer
 from specstream.engine.worker import Worker
@@ -85,20 +85,11 @@ class LLMEngine:
         self.worker = Worker(self.model, self.store, self.backend, self.history, self.proposer,
                              DRAFTING.get(mode.drafting)(self.tracer), self.tracer)
         self._ids = itertools.count()
-        self.counters: dict[str, float] = {
-            "steps": 0, "decode_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
-            "proposed_tokens": 0, "accepted_tokens": 0, "rounds": 0, "link_bytes_h2d": 0,
-            "link_bytes_d2h": 0, "link_busy_s": 0.0, "compute_s": 0.0, "draft_s": 0.0,
-            "decode_time_s": 0.0, "decode_link_busy_s": 0.0, "prefill_tokens": 0,
-            "prefill_only_time_s": 0.0, "num_drafts": 0,
-        }
-        # accepted_per_pos[i]: rounds whose draft at position i was accepted (vLLM's
-        # spec_decode_num_accepted_tokens_per_pos), so acceptance by position can be windowed
-        self.accepted_per_pos = [0] * max(1, config.q)
-        # The newest decode rounds (bounded: a server runs for weeks); the floor ratio is kept
-        # as running sums over every round.
+        self.stats = EngineStats(accepted_per_pos=[0] * max(1, config.q))
+        # The newest decode steps, and steps that only prefilled (bounded: a server runs for
+        # weeks).
         self.rounds: deque[RoundStats] = deque(maxlen=MAX_ROUND_RECORDS)
-        self._floor_ratio_sum, self._floor_rounds = 0.0, 0
+        self.prefill_steps: deque[RoundStats] = deque(maxlen=MAX_ROUND_RECORDS)
 
     def _make_proposer(self) -> Proposer:
         cfg = self.config
@@ -134,7 +125,7 @@ class LLMEngine:
         if rid in self.scheduler.requests:
             raise ValueError(f"duplicate request id {rid!r}")
         self.scheduler.add(Request(rid, [int(t) for t in prompt_token_ids], params))
-        self.counters["prompt_tokens"] += len(prompt_token_ids)
+        self.stats.prompt_tokens += len(prompt_token_ids)
         return rid
 
     def abort_request(self, request_id: str) -> None:
@@ -159,7 +150,7 @@ class LLMEngine:
         if update.writebacks:
             errors = self.worker.writeback(update.writebacks)
             self.scheduler.complete_writebacks(update.writebacks, errors)
-        self.counters["generated_tokens"] += update.num_appended
+        self.stats.generated_tokens += update.num_appended
         self._account(plan, output)
         return self._outputs(update.touched)
 
@@ -183,16 +174,22 @@ class LLMEngine:
         return outputs
 
     def _account(self, plan: StepPlan, result: StepOutput) -> None:
-        """Fold one step's link records, timings and speculation into the counters and round
-        stats."""
-        self._count_speculation(plan, result)
+        """Fold one step's link records, timings and speculation into the stats; a decode step
+        (one that verifies or drafts) also gets a round record."""
+        st = self.stats
+        for s in plan.seqs:
+            new = result.new_tokens.get(s.request_id)
+            if s.sample and not s.prefill and new is not None:
+                st.count_accepted(s.num_drafts, len(new) - 1)
         end = time.perf_counter()
         records = self.backend.busy_intervals()
         self.backend.reset_stats()
         busy, cur = 0.0, (0.0, 0.0)
         for r in records:
-            self.counters["link_bytes_h2d" if r.direction == "h2d" else "link_bytes_d2h"] += (
-                r.nbytes)
+            if r.direction == "h2d":
+                st.link_bytes_h2d += r.nbytes
+            else:
+                st.link_bytes_d2h += r.nbytes
             self.tracer.add(f"link {r.direction}", str(r.tag), r.start, r.end, bytes=r.nbytes)
             if r.start > cur[1]:
                 busy += cur[1] - cur[0]
@@ -200,54 +197,44 @@ class LLMEngine:
             else:
                 cur = (cur[0], max(cur[1], r.end))
         busy += cur[1] - cur[0]
-        self.history.observe_link(sum(r.nbytes for r in records), busy)
+        nbytes = sum(r.nbytes for r in records)
+        self.history.observe_link(nbytes, busy)
         wall = end - result.start
         compute = wall - result.wait_s
-        c = self.counters
-        c["steps"] += 1
-        c["link_busy_s"] += busy
-        c["compute_s"] += compute
-        c["draft_s"] += result.draft_s
-        decode = any(s.sample and not s.prefill for s in plan.seqs)
+        st.steps += 1
+        st.link_busy_s += busy
+        st.compute_s += compute
+        st.draft_s += result.draft_s
         prefill_tokens = sum(len(s.token_ids) for s in plan.seqs if s.prefill)
-        c["prefill_tokens"] += prefill_tokens
-        if prefill_tokens and not decode:
-            c["prefill_only_time_s"] += wall
+        st.prefill_tokens += prefill_tokens
+        decode = bool(result.drafts) or any(s.sample and not s.prefill for s in plan.seqs)
+        if not decode and not prefill_tokens:
+            return  # nothing was done
+        link_floor = nbytes / self._link_rate()
         if decode:
-            c["decode_steps"] += 1
-            c["decode_time_s"] += wall
-            c["decode_link_busy_s"] += busy
-            floor = max(busy, compute if self.config.mode_spec.drafting != "parallel"
-                        else max(compute, result.draft_s))
-            self.rounds.append(RoundStats(
-                result.start, wall, busy, compute, result.draft_s, result.wait_s, floor,
-                plan.num_tokens, sum(s.start_pos + len(s.token_ids) for s in plan.seqs),
-                len(plan.seqs), prefill_tokens,
-                sum(len(result.new_tokens.get(s.request_id, ())) for s in plan.seqs
-                    if s.sample and not s.prefill),
-            ))
-            if floor > 0:
-                self._floor_ratio_sum += wall / floor
-                self._floor_rounds += 1
+            st.decode_steps += 1
+            st.decode_time_s += wall
+            st.decode_link_busy_s += busy
+            st.decode_link_floor_s += link_floor
+        else:
+            st.prefill_only_time_s += wall
+        (self.rounds if decode else self.prefill_steps).append(RoundStats(
+            start=result.start, wall_s=wall, link_s=busy, link_bytes=nbytes, compute_s=compute,
+            draft_s=result.draft_s, wait_s=result.wait_s, query_tokens=plan.num_tokens,
+            context_tokens=sum(s.start_pos + len(s.token_ids) for s in plan.seqs),
+            num_seqs=len(plan.seqs), prefill_tokens=prefill_tokens,
+            new_tokens=sum(len(result.new_tokens.get(s.request_id, ())) for s in plan.seqs
+                           if s.sample and not s.prefill),
+            draft_tokens=sum(len(d) for d in result.drafts.values()),
+            draft_seqs=len(result.drafts), link_floor_s=link_floor,
+        ))
+        if decode:
             self.tracer.add("round", "round", result.start, end)
 
-    def _count_speculation(self, plan: StepPlan, result: StepOutput) -> None:
-        """Verification rounds (a prefill's first token is none), drafts and acceptances."""
-        c = self.counters
-        for s in plan.seqs:
-            new = result.new_tokens.get(s.request_id)
-            if not s.sample or s.prefill or new is None:
-                continue
-            c["rounds"] += 1
-            c["proposed_tokens"] += s.num_drafts
-            c["accepted_tokens"] += len(new) - 1
-            if s.num_drafts:
-                c["num_drafts"] += 1
-                if s.num_drafts > len(self.accepted_per_pos):
-                    self.accepted_per_pos.extend([0] * (s.num_drafts
-                                                        - len(self.accepted_per_pos)))
-                for i in range(len(new) - 1):
-                    self.accepted_per_pos[i] += 1
+    def _link_rate(self) -> float:
+        """Bytes/s of the link: the emulated rate where one is set, else the measured one."""
+        gbps = self.config.link_gbps
+        return gbps * 1e9 if gbps else self.history.link_bps
 
     # ---- outputs and metrics ------------------------------------------------------------
     def _output(self, req: Request) -> RequestOutput:
@@ -269,55 +256,29 @@ class LLMEngine:
                              req.finished, metrics, req.num_computed_tokens)
 
     def get_metrics(self) -> dict[str, Any]:
-        c: dict[str, Any] = dict(self.counters)
+        """The stats (``EngineStats.as_dict``) plus KV usage of both tiers and the queues."""
+        c = self.stats.as_dict()
         block_bytes = self.store.block_bytes
         dev, host = self.kv.device, self.kv.host
         c.update({
-            "accepted_per_pos": list(self.accepted_per_pos),
             "device_kv_blocks_used": dev.num_used, "device_kv_blocks_total": dev.num_blocks,
             "host_kv_blocks_used": host.num_used, "host_kv_blocks_total": host.num_blocks,
             "device_kv_usage": dev.num_used / dev.num_blocks if dev.num_blocks else 0.0,
             "host_kv_usage": host.num_used / host.num_blocks if host.num_blocks else 0.0,
             "mode": self.config.mode,
             "device_kv_budget_bytes": self.config.device_budget,
-            "device_kv_peak_bytes": self.kv.device.peak_used * block_bytes
-            + self.history.peak_bytes,
-            "host_kv_peak_bytes": self.kv.host.peak_used * block_bytes,
-            "device_kv_used_bytes": self.kv.device.num_used * block_bytes,
-            "host_kv_used_bytes": self.kv.host.num_used * block_bytes,
+            "device_kv_peak_bytes": dev.peak_used * block_bytes + self.history.peak_bytes,
+            "host_kv_peak_bytes": host.peak_used * block_bytes,
+            "device_kv_used_bytes": dev.num_used * block_bytes,
+            "host_kv_used_bytes": host.num_used * block_bytes,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "max_concurrency": self.scheduler.max_concurrency,
         })
-        rounds, proposed = c["rounds"], c["proposed_tokens"]
-        c["acceptance_rate"] = c["accepted_tokens"] / proposed if proposed else 0.0
-        c["mean_accepted_len"] = (c["accepted_tokens"] + rounds) / rounds if rounds else 0.0
-        dt = c["decode_time_s"]
-        c["link_utilization"] = c["decode_link_busy_s"] / dt if dt else 0.0
-        n = self._floor_rounds
-        c["round_time_over_floor"] = self._floor_ratio_sum / n if n else 0.0
         return c
 
     def close(self) -> None:
         self.backend.close()
-
-
-@dataclass(frozen=True)
-class RoundStats:
-    """One decode round: wall time against its floor max(link busy, compute)."""
-
-    start: float
-    wall_s: float
-    link_s: float
-    compute_s: float  # on the target's device: wall minus time blocked on the link
-    draft_s: float
-    wait_s: float
-    floor_s: float
-    query_tokens: int = 0  # tokens the target processed in the round (all requests)
-    context_tokens: int = 0  # tokens attended (all requests)
-    num_seqs: int = 0
-    prefill_tokens: int = 0  # prompt tokens prefilled in the same step (mixed steps)
-    new_tokens: int = 0  # tokens the round's verifications emitted (accepted + bonus)
 
 
 def _maybe_tokenizer(folder: str | Path) -> Tokenizer | None:
