@@ -113,7 +113,7 @@ def _run_mode(mode: str, target: Path, draft: Path, g: dict[str, Any],
     this run only, until the engine dispatches to it itself).
     """
     if mode.endswith("+triton"):
-        import specstream.engine.attention as engine_attention
+        import specstream.engine.round as engine_attention  # the round builds the attention
 
         saved = engine_attention.ChunkedAttention
         engine_attention.ChunkedAttention = _FusedChunks  # type: ignore[assignment,misc]

@@ -1,30 +1,24 @@
-"""The attention context of one target forward pass: KV writes plus tiered, exact attention.
-
-For each request the queries of the step attend over (host history pieces, from the step's
-history source) + (resident tail and the new tokens, causal among themselves); partial results
-merge through online softmax, so the output equals full attention whatever the split.
-"""
+"""Where each request's tokens of one step live: the new tokens' tail slots, the resident tail
+and its causal mask. Built once per step; the round (``engine/round.py``) reads it per layer."""
 
 from __future__ import annotations
 
 import torch
 
-from specstream.attention import ChunkedAttention, causal_mask
-from specstream.backends.base import TransferError
-from specstream.engine.history import HistorySource
-from specstream.engine.scheduler import StepPlan
+from specstream.attention import causal_mask
+from specstream.engine.step import StepPlan
 from specstream.kvcache.storage import KVStore
 
 
-class StepAttention:
-    """Implements the model's ``AttentionContext`` for one step."""
-
-    def __init__(self, plan: StepPlan, store: KVStore, history: HistorySource) -> None:
-        self.plan, self.store, self.history = plan, store, history
-        self.scale = store.cfg.head_dim**-0.5
+class StepKV:
+    def __init__(self, plan: StepPlan, store: KVStore) -> None:
+        self.store = store
         bs = store.block_size
-        blocks, offsets, self.rows, self.tails = [], [], [], []
-        self.masks: list[torch.Tensor | None] = []
+        blocks, offsets = [], []
+        # per request: its rows in the step's flattened tokens
+        self.rows: list[tuple[int, int]] = []
+        tails: list[tuple[torch.Tensor, int, int]] = []
+        masks: list[torch.Tensor | None] = []
         row = 0
         for s in plan.seqs:
             n = len(s.token_ids)
@@ -36,40 +30,25 @@ class StepAttention:
             b = s.device_blocks
             consecutive = all(b[j + 1] == b[j] + 1 for j in range(len(b) - 1))
             tail_len = s.start_pos + n - s.host_tokens
-            self.tails.append((torch.tensor(b, dtype=torch.long), tail_len,
-                               b[0] if consecutive and b else -1))
-            self.masks.append(causal_mask(n, tail_len) if n > 1 else None)  # one query: no mask
+            tails.append((torch.tensor(b, dtype=torch.long), tail_len,
+                          b[0] if consecutive and b else -1))
+            masks.append(causal_mask(n, tail_len) if n > 1 else None)  # one query: no mask
             row += n
         device = store.device.device
         self.slot_blocks = torch.tensor(blocks, dtype=torch.long, device=device)
         self.slot_offsets = torch.tensor(offsets, dtype=torch.long, device=device)
-        self.tails = [(b.to(device), n, first) for b, n, first in self.tails]
-        self.masks = [m if m is None else m.to(device) for m in self.masks]
-        self.num_kv_heads = store.cfg.num_kv_heads
-        self.failed: dict[str, str] = {}
+        self.tails = [(b.to(device), n, first) for b, n, first in tails]
+        self.masks = [m if m is None else m.to(device) for m in masks]
 
-    def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    ) -> torch.Tensor:
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The new tokens' K and V (``[num_tokens, num_kv_heads, head_dim]``) into their
+        tail slots."""
         self.store.write(layer, self.slot_blocks, self.slot_offsets, k, v)
-        out = torch.empty_like(q)
-        for i, seq in enumerate(self.plan.seqs):
-            lo, hi = self.rows[i]
-            att = ChunkedAttention(q[lo:hi], self.num_kv_heads, self.scale)
-            try:
-                for hk, hv in self.history.pieces(layer, i):
-                    att.add(hk, hv)
-            except TransferError as exc:
-                self.failed.setdefault(seq.request_id, f"KV restore failed: {exc}")
-            if seq.request_id in self.failed:
-                out[lo:hi] = 0
-                continue
-            blocks, tail_len, first = self.tails[i]
-            tk, tv = self.store.gather(layer, blocks, tail_len, first)
-            att.add(tk, tv, self.masks[i])
-            out[lo:hi] = att.result(q.dtype)
-        return out
+
+    def tail(self, layer: int, index: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """K, V and the causal mask of request ``index``'s resident tail (new tokens
+        included)."""
+        blocks, tail_len, first = self.tails[index]
+        k, v = self.store.gather(layer, blocks, tail_len, first)
+        return k, v, self.masks[index]

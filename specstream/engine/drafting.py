@@ -1,8 +1,9 @@
 """Where drafting runs in a step, one class per strategy, chosen by the mode's ``drafting``.
 
 A step's draft job (for requests the step does not verify) starts before the target forward
-pass (``begin``) and is finished after it (``end``); drafts for the requests the step verifies
-run after their verification (``run_now``).
+pass (``begin``), may take the waits for history in flight (``gap``, handed to the round), and
+is finished after the forward pass (``end``); drafts for the requests the step verifies run
+after their verification (``run_now``).
 
 - ``sequential``: everything after verification, on the one device (the baselines).
 - ``gaps``: draft steps run while verification waits for history still crossing the link
@@ -18,7 +19,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from specstream.engine.history import HistorySource
+from specstream.engine.history import Gap
 from specstream.engine.overlap import GapFiller
 from specstream.engine.trace import Tracer
 from specstream.registry import Registry
@@ -28,9 +29,11 @@ from specstream.spec.proposer import ProposeJob
 class Drafting(ABC):
     def __init__(self, tracer: Tracer) -> None:
         self.tracer = tracer
+        # What the round may run while it waits for a piece of history still in flight.
+        self.gap: Gap | None = None
 
     @abstractmethod
-    def begin(self, job: ProposeJob | None, history: HistorySource) -> None:
+    def begin(self, job: ProposeJob | None) -> None:
         """Before the target forward pass: start ``job`` where the strategy runs it."""
 
     @abstractmethod
@@ -51,7 +54,7 @@ DRAFTING: Registry[type[Drafting]] = Registry("drafting strategy")
 
 @DRAFTING.register("sequential")
 class Sequential(Drafting):
-    def begin(self, job: ProposeJob | None, history: HistorySource) -> None:
+    def begin(self, job: ProposeJob | None) -> None:
         self.job = job
 
     def end(self) -> float:
@@ -64,21 +67,21 @@ class Sequential(Drafting):
 
 @DRAFTING.register("gaps")
 class InGaps(Drafting):
-    def begin(self, job: ProposeJob | None, history: HistorySource) -> None:
-        self.history = history
-        history.gap = GapFiller(job, self.tracer) if job is not None else None
+    def begin(self, job: ProposeJob | None) -> None:
+        self.filler = GapFiller(job, self.tracer) if job is not None else None
+        self.gap = self.filler.fill if self.filler is not None else None
 
     def end(self) -> float:
-        gap, self.history.gap = self.history.gap, None
-        return 0.0 if gap is None else gap.draft_s + gap.finish()
+        filler, self.filler, self.gap = self.filler, None, None
+        return 0.0 if filler is None else filler.draft_s + filler.finish()
 
     def abort(self) -> None:
-        self.history.gap = None
+        self.filler, self.gap = None, None
 
 
 @DRAFTING.register("parallel")
 class OnSecondDevice(Drafting):
-    def begin(self, job: ProposeJob | None, history: HistorySource) -> None:
+    def begin(self, job: ProposeJob | None) -> None:
         self.thread: _DraftThread | None = None
         if job is not None:
             self.thread = _DraftThread(job, self.tracer)

@@ -14,19 +14,20 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from specstream.backends.base import TransferError, TransferHandle
-from specstream.engine.overlap import GapFiller
 from specstream.engine.scheduler import StepPlan
 from specstream.kvcache.storage import KVStore
 from specstream.registry import Registry
 
 Piece = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_tokens, num_kv_heads, head_dim]
+# (landed, link_busy_until) -> None: work that may run while a piece is still in flight
+Gap = Callable[[Callable[[], bool], float], None]
 
 SOURCES: Registry[type[HistorySource]] = Registry("history source")
 
@@ -61,7 +62,6 @@ class HistorySource(ABC):
         self.staging_buffers = staging_buffers
         self.peak_bytes = 0  # device bytes this source held at most
         self.wait_s = 0.0  # time attention sat waiting for copies (summed over steps)
-        self.gap: GapFiller | None = None  # drafting to run while waiting (stream only)
         # Bytes/s the link moves while busy, for landing estimates: a first guess (the
         # configured rate, where there is one), then measured from completed copies.
         self.link_bps = 10e9
@@ -76,8 +76,11 @@ class HistorySource(ABC):
         """Issue what can be issued before the forward pass."""
 
     @abstractmethod
-    def pieces(self, layer: int, index: int) -> Iterator[Piece]:
-        """History pieces of request ``plan.seqs[index]`` at ``layer``."""
+    def pieces(self, layer: int, index: int, while_waiting: Gap | None = None
+               ) -> Iterator[Piece]:
+        """History pieces of request ``plan.seqs[index]`` at ``layer``, in arrival order.
+        Before blocking on a piece still in flight, ``while_waiting(landed, link_busy_until)``
+        may use the wait (the drafter's gap)."""
 
     def end(self) -> None:  # noqa: B027
         """Drop per-step buffers."""
@@ -85,7 +88,8 @@ class HistorySource(ABC):
 
 @SOURCES.register("none")
 class NoHistory(HistorySource):
-    def pieces(self, layer: int, index: int) -> Iterator[Piece]:
+    def pieces(self, layer: int, index: int, while_waiting: Gap | None = None
+               ) -> Iterator[Piece]:
         return iter(())
 
 
@@ -124,7 +128,8 @@ class LayerRestore(HistorySource):
             per_seq.append(self.store.restore(layer, blocks, dst, s.request_id) if blocks else [])
         self.handles[layer] = per_seq
 
-    def pieces(self, layer: int, index: int) -> Iterator[Piece]:
+    def pieces(self, layer: int, index: int, while_waiting: Gap | None = None
+               ) -> Iterator[Piece]:
         seq = self.plan.seqs[index]
         if not seq.host_tokens:
             return
@@ -201,13 +206,14 @@ class ChunkStream(HistorySource):
             self._link_free_at = start + nbytes / self.link_bps
             self.pending.append(job)
 
-    def pieces(self, layer: int, index: int) -> Iterator[Piece]:
+    def pieces(self, layer: int, index: int, while_waiting: Gap | None = None
+               ) -> Iterator[Piece]:
         cfg = self.store.cfg
         error: TransferError | None = None
         while self.pending and (self.pending[0].layer, self.pending[0].index) == (layer, index):
             job = self.pending.popleft()
-            if self.gap is not None:
-                self.gap.fill(partial(_all_done, job.handles), self._link_free_at)
+            if while_waiting is not None:
+                while_waiting(partial(_all_done, job.handles), self._link_free_at)
             t0 = time.perf_counter()
             err = _wait_all(list(job.handles))
             self.wait_s += time.perf_counter() - t0

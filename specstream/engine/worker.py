@@ -12,10 +12,10 @@ import time
 import torch
 
 from specstream.backends.base import TransferBackend, TransferError
-from specstream.engine.attention import StepAttention
 from specstream.engine.drafting import Drafting
 from specstream.engine.history import HistorySource
 from specstream.engine.request import RequestError
+from specstream.engine.round import run_round
 from specstream.engine.step import DraftWork, StepOutput, StepPlan
 from specstream.engine.trace import Tracer
 from specstream.kvcache.storage import KVStore
@@ -53,7 +53,7 @@ class Worker:
         wait0 = self.history.wait_s
         during = [d for d in plan.drafts if not d.after_verify]
         job = self._start(during, {}, out)
-        self.drafting.begin(job, self.history)
+        self.drafting.begin(job)
         try:
             if plan.seqs:
                 with self.tracer.span("verify", "verify", tokens=plan.num_tokens):
@@ -128,22 +128,14 @@ class Worker:
     # ---- verification -------------------------------------------------------------------
     @torch.no_grad()
     def _forward_and_verify(self, plan: StepPlan, out: StepOutput) -> None:
-        ids = [t for s in plan.seqs for t in s.token_ids]
-        pos = [p for s in plan.seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))]
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
-        ctx = StepAttention(plan, self.store, self.history)
-        self.history.begin(plan)
-        try:
-            hidden = self.model(input_ids, positions, ctx)
-        finally:
-            self.history.end()
-        out.errors.update(ctx.failed)
+        hidden, rows, failed = run_round(self.model, plan, self.store, self.history,
+                                         self.drafting.gap)
+        out.errors.update(failed)
         # rows whose logits are needed: the last token and every draft of sampling requests
         sampled = [i for i, s in enumerate(plan.seqs) if s.sample and s.request_id not in
                    out.errors]
         if sampled:
-            self._verify(plan, sampled, ctx.rows, hidden, out)
+            self._verify(plan, sampled, rows, hidden, out)
 
     def _verify(
         self,

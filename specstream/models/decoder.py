@@ -1,13 +1,15 @@
 """One decoder-only transformer for Llama, Qwen2, Qwen3 and InternLM2/2.5.
 
-Tokens of all requests in a step arrive flattened (``[num_tokens]``); the model computes q/k/v and
-hands them to an :class:`AttentionContext` supplied by the caller, which owns the KV cache and
-decides where history lives (device blocks, streamed host chunks). The model holds no state.
+Tokens of all requests in a step arrive flattened (``[num_tokens]``). The model holds no state
+and no KV cache: each layer computes q/k/v of the new tokens (``qkv``) and takes the attention
+output back (``finish``). ``forward`` gets attention from an :class:`AttentionContext` supplied
+by the caller; the engine's round drives the layers itself (``engine/round.py``).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +49,6 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
         )
@@ -59,19 +60,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:
-        # x: [num_tokens, hidden]
+    def qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # x: [num_tokens, hidden] -> q [n, heads, D], k and v [n, kv_heads, D] (rotated)
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = ctx.attend(self.layer, q, k, v)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim).to(x.dtype))
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def out(self, attn: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # attn: [num_tokens, heads, D] -> [num_tokens, hidden]
+        return self.o_proj(attn.reshape(attn.shape[0], -1).to(dtype))
 
 
 class MLP(nn.Module):
@@ -94,10 +97,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+    def qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer up to attention: q, k, v of the new tokens."""
+        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: output projection, residuals, MLP."""
+        x = x + self.self_attn.out(attn, x.dtype)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -121,15 +129,31 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    # Per-layer entry points, so a caller can drive the layers itself (the engine's round does,
+    # interleaving each layer with the copies and draft steps around it); ``forward`` is the
+    # same computation with attention from an AttentionContext.
+    @property
+    def layers(self) -> Sequence[DecoderLayer]:
+        return cast("Sequence[DecoderLayer]", self.model.layers)
+
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        # input_ids, positions: [num_tokens] -> hidden [num_tokens, hidden], rotary (cos, sin)
+        return self.model.embed_tokens(input_ids), self.model.rotary.cos_sin(positions)
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(x)
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]
-        cos, sin = self.model.rotary.cos_sin(positions)
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.model.norm(x)
+        x, (cos, sin) = self.embed(input_ids, positions)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(x, cos, sin)
+            x = layer.finish(x, ctx.attend(i, q, k, v))
+        return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [n, hidden] -> fp32 logits [n, vocab]
