@@ -4,8 +4,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 ruff check .
-# type-check the engine core (scheduler, executor, KV manager, config, offline API)
-mypy specstream/engine specstream/kvcache specstream/config.py specstream/llm.py
+# type-check the engine core (scheduler, step contract, worker, round, KV manager, config,
+# offline API) with the flags of --strict (pyproject.toml's [[tool.mypy.overrides]])
+mypy specstream/engine specstream/kvcache specstream/config.py specstream/llm.py \
+    specstream/registry.py
 set +e
 python3 -m pytest -q -p no:cacheprovider "$@"
 rc=$?

@@ -154,6 +154,6 @@ def _wants_draft(kwargs: dict[str, Any]) -> bool:
     (draft tokens per round, or a mode that verifies drafts): the embedded draft answers."""
     proposer = kwargs.get("proposer")
     if proposer is not None:
-        return proposer == "draft"
+        return bool(proposer == "draft")
     mode = MODES.get(kwargs.get("mode", EngineConfig.mode))
     return bool(kwargs.get("num_speculative_tokens")) or (mode is not None and mode.needs_drafts)

@@ -21,7 +21,7 @@ from functools import partial
 import torch
 
 from specstream.backends.base import TransferError, TransferHandle
-from specstream.engine.scheduler import StepPlan
+from specstream.engine.step import StepPlan
 from specstream.kvcache.storage import KVStore
 from specstream.registry import Registry
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 LANES = ("link h2d", "link d2h", "verify", "draft", "wait")
 
@@ -21,7 +22,7 @@ class Span:
     name: str
     start: float
     end: float
-    args: dict | None = None
+    args: dict[str, Any] | None = None
 
 
 class Tracer:
@@ -48,7 +49,7 @@ class Tracer:
     def to_chrome(self, path: str | Path) -> None:
         """Chrome trace event JSON (open in Perfetto or chrome://tracing)."""
         lanes = {lane: i for i, lane in enumerate(LANES)}
-        events: list[dict] = [
+        events: list[dict[str, Any]] = [
             {"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {"name": lane}}
             for lane, i in lanes.items()
         ]
