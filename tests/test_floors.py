@@ -6,17 +6,17 @@ import pytest
 
 from specstream.bench.floors import ComputeModel, add_floors
 
-# seconds: 1 ms a round, 0.1 ms a request, 10 us a query token, 1 us a context token,
-# 20 us a prefill token; 0.5 ms a drafting request, 0.2 ms a draft token
+# seconds: 1 ms a round, 0.1 ms a request, 10 us a query token, 1 us a context token, 10 ns a
+# query-key pair, 20 us a prefill token; 0.5 ms a drafting request, 0.2 ms a draft token
 TRUE = dict(one=1e-3, num_seqs=1e-4, query_tokens=1e-5, context_tokens=1e-6,
-            prefill_tokens=2e-5, draft_seqs=5e-4, draft_tokens=2e-4)
+            attention_pairs=1e-8, prefill_tokens=2e-5, draft_seqs=5e-4, draft_tokens=2e-4)
 
 
 def _round(seqs: int, ctx: int, drafts: int, prefill: int = 0, link_floor: float = 0.0,
            wall: float | None = None) -> dict[str, float]:
     r = dict(num_seqs=seqs, query_tokens=seqs * 5 + prefill, context_tokens=ctx,
-             prefill_tokens=prefill, draft_seqs=seqs if drafts else 0, draft_tokens=drafts,
-             link_floor_s=link_floor)
+             attention_pairs=5 * ctx + prefill * (prefill + 100), prefill_tokens=prefill,
+             draft_seqs=seqs if drafts else 0, draft_tokens=drafts, link_floor_s=link_floor)
     work = TRUE["one"] + sum(TRUE[k] * r[k] for k in TRUE if k != "one")
     r["wall_s"] = work if wall is None else wall
     return r

@@ -6,10 +6,12 @@ already on the device). The second term is not measured in the round itself (a r
 waits would score 1.00 by construction): it comes from a cost model fitted on the `resident`
 rounds of the same run, whose history is on the device and whose drafting is sequential:
 
-    verify = c0 + c1 * seqs + c2 * query tokens + c3 * context tokens + c4 * prefill tokens
+    verify = c0 + c1 * seqs + c2 * query tokens + c3 * context tokens
+             + c4 * query x key pairs + c5 * prefill tokens
     draft  = d1 * drafting requests + d2 * draft tokens
 
-(non-negative least squares). A mode that drafts on a second device (`parallel-spec`) has
+(non-negative least squares on relative errors, so the many short decode rounds weigh as much as
+the few long prefill steps). A mode that drafts on a second device (`parallel-spec`) has
 max(verify, draft) as its compute floor, the others verify + draft. The floor is a property of
 the work, not of the schedule: modes that generate the same tokens over the same history get
 floors within a few percent of each other.
@@ -23,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-VERIFY = ("one", "num_seqs", "query_tokens", "context_tokens", "prefill_tokens")
+VERIFY = ("one", "num_seqs", "query_tokens", "context_tokens", "attention_pairs",
+          "prefill_tokens")
 DRAFT = ("draft_seqs", "draft_tokens")
 
 
@@ -59,7 +62,8 @@ class ComputeModel:
             raise ValueError(f"{len(rounds)} resident rounds are too few to fit a compute model")
         x = np.array([_features(r) for r in rounds])
         y = np.array([r["wall_s"] for r in rounds])
-        coef = _nnls(x, y)
+        w = 1.0 / np.maximum(y, 1e-6)  # relative errors
+        coef = _nnls(x * w[:, None], y * w)
         pred = x @ coef
         err = float(np.mean(np.abs(pred - y) / np.maximum(y, 1e-9)))
         n = len(VERIFY)

@@ -222,6 +222,8 @@ class LLMEngine:
             start=result.start, wall_s=wall, link_s=busy, link_bytes=nbytes, compute_s=compute,
             draft_s=result.draft_s, wait_s=result.wait_s, query_tokens=plan.num_tokens,
             context_tokens=sum(s.start_pos + len(s.token_ids) for s in plan.seqs),
+            attention_pairs=sum(len(s.token_ids) * (s.start_pos + len(s.token_ids))
+                                for s in plan.seqs),
             num_seqs=len(plan.seqs), prefill_tokens=prefill_tokens,
             new_tokens=sum(len(result.new_tokens.get(s.request_id, ())) for s in plan.seqs
                            if s.sample and not s.prefill),

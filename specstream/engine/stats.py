@@ -26,6 +26,7 @@ class RoundStats:
     wait_s: float  # time blocked on the link
     query_tokens: int  # tokens the target processed (all requests, prefill chunks included)
     context_tokens: int  # tokens attended (all requests)
+    attention_pairs: int  # query x key pairs of the step's attention (all requests)
     num_seqs: int  # requests in the target forward
     prefill_tokens: int  # prompt tokens prefilled in the same step (mixed steps)
     new_tokens: int  # tokens the step's verifications emitted (accepted + bonus)

@@ -108,10 +108,10 @@ class Worker:
                                             d.count(len(new)), d.params))
             else:
                 out.drafts[d.request_id] = []
-        assert self.proposer is not None or not batch
         while batch:
+            assert self.proposer is not None  # the scheduler plans drafts only with one
             try:
-                return self.proposer.start(batch)  # type: ignore[union-attr]
+                return self.proposer.start(batch)
             except RequestError as exc:
                 out.errors[exc.request_id] = f"drafting failed: {exc}"
                 batch = [b for b in batch if b.request_id != exc.request_id]
