@@ -1,6 +1,6 @@
 """The transfer interface: how KV bytes move between host memory and the device.
 
-The engine (KV manager, round executor) only sees `TransferBackend` and `TransferHandle`; streams,
+The engine (KV manager, round worker) only sees `TransferBackend` and `TransferHandle`; streams,
 events, pinned memory and worker threads live in one module per device (`cpu.py`, `cuda.py`).
 Restores (host to device, `h2d`) have priority over write-backs (device to host, `d2h`), because
 a restore is on the critical path of the current round and a write-back is not.

@@ -17,7 +17,7 @@ Ordering, with no host synchronisation inside a round:
   `LayerRestore`'s two layer buffers and for write-backs reading freshly written KV.
 - A handle's `wait()` makes the *current* stream wait on the copy's end event; `host_wait()`
   blocks the host. Write-back then restore of the same host block is ordered transitively: the
-  executor `wait()`s on write-backs (compute stream waits on d2h), and a later restore with
+  worker `wait()`s on write-backs (compute stream waits on d2h), and a later restore with
   `after_compute=True` waits on the compute stream. A copy issued with `after_compute=False`
   is ordered after nothing, so it must not target memory that queued work still reads.
 - Device tensors used on a side stream get `record_stream`, so the caching allocator does not

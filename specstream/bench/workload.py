@@ -14,7 +14,7 @@ import torch
 
 from specstream.tokenizer import Tokenizer
 
-# Held out from the embedded pair's training (scripts/train_default_pair.py HELD_OUT).
+# Held out from the embedded pair's training (scripts/train_pair/common.py HELD_OUT).
 HELD_OUT = (
     "argparse.py", "json/decoder.py", "json/encoder.py", "csv.py", "textwrap.py", "heapq.py",
     "bisect.py", "fractions.py", "statistics.py", "configparser.py", "shlex.py", "difflib.py",

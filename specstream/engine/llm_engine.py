@@ -1,4 +1,4 @@
-"""The engine: schedule, run the round, postprocess; plus request bookkeeping and metrics."""
+"""The engine: schedule, run the round, update; plus request bookkeeping and metrics."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ The manager plans movements; the transfer handler performs them:
   resident-tail budget are assigned host blocks (device to host copies);
   ``complete_writeback`` frees the device blocks after the copies finished.
 - ``restore_chunks``: the host history cut into chunks of ``chunk_tokens`` for one step (the
-  executor restores each chunk layer by layer).
+  worker restores each chunk layer by layer).
 """
 
 from __future__ import annotations
