@@ -34,11 +34,12 @@ def test_bench_runs_every_mode_and_writes_json_and_trace(tiny_target, tiny_draft
     # at one device budget the offloading modes hold more requests than resident does
     assert modes["specstream"]["max_concurrency"] > modes["resident"]["max_concurrency"]
     assert "specstream_over_offload-spec" in report["ratios"]
-    # the floor is the work's, not the schedule's: modes that generate the same tokens over the
-    # same history (resident's compute model, every step counted) get about the same floor
-    floors = [modes[m]["floor_s"] for m in ("resident", "offload-spec", "specstream",
-                                            "parallel-spec")]
-    assert max(floors) < 1.25 * min(floors), floors
+    # the floor is the work's, not the schedule's: one-device modes that generate the same
+    # tokens over the same history get about the same floor (resident's compute model, every
+    # step counted); drafting on a second device overlaps in the floor, so it can only be lower
+    spec, stream = modes["offload-spec"]["floor_s"], modes["specstream"]["floor_s"]
+    assert abs(spec - stream) < 0.15 * spec, (spec, stream)
+    assert modes["parallel-spec"]["floor_s"] < 1.05 * spec
     assert modes["resident"]["compute_model"]["fit_error"] < 0.5
     assert report["calibration"]["verify_time"]["samples"]
     events = json.loads(trace.read_text())["traceEvents"]

@@ -104,13 +104,18 @@ def test_overlapped_modes_two_groups(tiny_target, tiny_draft, reference, mode):
     assert m["decode_link_floor_s"] > 0 and m["decode_time_over_link_floor"] >= 0.999
 
 
-def test_restore_cap_runs_one_request_per_step(tiny_target, tiny_draft):
-    """A budget whose restore share fits one history per step: the other request waits a step
-    with its drafts still pending, and both still decode exactly."""
+def test_restore_room_is_reserved_per_request(tiny_target, tiny_draft):
+    """Whole-layer restore modes reserve, per request, pool blocks for two layers of its
+    history: a budget that holds one such request at a time admits the other only after the
+    first finishes, stays within the budget (restored layers included), and both decode
+    exactly; a budget too small for one is refused with the reason."""
     prompts = _prompts((600, 580), seed=5)
     ref, _ = _run(tiny_target, prompts, mode="resident", device_kv_bytes=16 << 20)
-    tokens, _ = _run(tiny_target, prompts, mode="offload-spec", device_kv_bytes=1_000_000,
-                     draft_model=tiny_draft, num_speculative_tokens=3, block_size=16,
-                     chunk_tokens=64, resident_tail_tokens=32, offload_after_tokens=64,
-                     max_prefill_tokens=32)
+    kw = dict(mode="offload-spec", draft_model=tiny_draft, num_speculative_tokens=3,
+              block_size=16, chunk_tokens=64, resident_tail_tokens=32, offload_after_tokens=64,
+              max_prefill_tokens=32)
+    tokens, m = _run(tiny_target, prompts, device_kv_bytes=1_000_000, **kw)
     assert tokens == ref
+    assert m["max_concurrency"] == 1 and m["device_kv_peak_bytes"] <= 1_000_000
+    with pytest.raises(ValueError, match="two restored layers"):
+        _run(tiny_target, prompts, device_kv_bytes=400_000, **kw)

@@ -123,3 +123,39 @@ def test_full_host_pool_makes_requests_wait_not_fail(tiny_target):
     with pytest.raises(ValueError, match="host_kv_bytes"):
         llm.generate([list(range(100)) * 20], GREEDY, use_tqdm=False)
     llm.close()
+
+
+def test_layer_restore_into_lent_pool_blocks_returns_every_layer_exactly():
+    """`restore` modes hold two layers of a step's history in pool blocks lent to the step,
+    every layer plane of a block a slot: with scattered lent blocks a request's layer history
+    comes as several pieces, which together are its host history of that layer, bit for bit."""
+    from specstream.engine.history import make_source
+    from specstream.engine.step import SeqWork, StepPlan
+
+    cfg = ModelConfig(family="qwen3", vocab_size=8, hidden_size=32, num_layers=3, num_heads=4,
+                      num_kv_heads=2, head_dim=8, intermediate_size=8,
+                      max_position_embeddings=64)
+    backend = make_backend("cpu")
+    try:
+        store = KVStore(cfg, torch.float32, 4, num_device_blocks=12, num_host_blocks=10,
+                        backend=backend)
+        store.host.copy_(torch.randn(store.host.shape))
+        histories = [(7, 2, 9), (0, 5, 1, 4)]  # host blocks of two requests
+        seqs = tuple(SeqWork(f"r{i}", (1,), 4 * len(h), 0, False, True, 4 * len(h), (i,),
+                             (h,)) for i, h in enumerate(histories))
+        # 2 layers x 7 history blocks = 14 slots: 5 lent blocks x 3 planes, not consecutive
+        plan = StepPlan(seqs, restore_blocks=(3, 4, 6, 10, 11))
+        source = make_source("restore", store, 4, 2)
+        source.begin(plan)
+        for layer in range(3):
+            for i, h in enumerate(histories):
+                pieces = list(source.pieces(layer, i))
+                assert len(pieces) > 1  # scattered slots, or across planes: several pieces
+                k = torch.cat([p[0] for p in pieces])
+                v = torch.cat([p[1] for p in pieces])
+                want = store.host[list(h), layer]  # [blocks, 2, bs, kv, D]
+                assert torch.equal(k, want[:, 0].reshape(-1, 2, 8))
+                assert torch.equal(v, want[:, 1].reshape(-1, 2, 8))
+        source.end()
+    finally:
+        backend.close()

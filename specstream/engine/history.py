@@ -95,7 +95,10 @@ class NoHistory(HistorySource):
 
 @SOURCES.register("restore")
 class LayerRestore(HistorySource):
-    """Whole-layer restore with one layer of prefetch (two layer buffers)."""
+    """Whole-layer restore with one layer of prefetch: two layers of the step's history on the
+    device at a time, in the pool blocks the scheduler lent the step (``plan.restore_blocks``;
+    every layer plane of a lent block is a slot for one block of history, so a request's layer
+    history may come as a few pieces, merged exactly by the online softmax)."""
 
     def begin(self, plan: StepPlan) -> None:
         self.plan = plan
@@ -105,27 +108,41 @@ class LayerRestore(HistorySource):
             self.offsets.append(total)
             total += sum(len(c) for c in s.restore_chunks)
         self.total_blocks = total
-        self.buffers: list[torch.Tensor] = []
+        self.slots = plan.restore_blocks
         self.handles: dict[int, list[list[TransferHandle]]] = {}
         self.restored_layer = -1
         self.errors: list[TransferError | None] = []
         if total:
-            cfg, bs = self.store.cfg, self.store.block_size
-            shape = (2, total, bs, cfg.num_kv_heads, cfg.head_dim)
-            alloc = self.store.backend.alloc_device
-            self.buffers = [alloc(shape, self.store.dtype) for _ in range(2)]
-            self.peak_bytes = max(self.peak_bytes, 2 * total * bs * self.store.layer_token_bytes)
+            assert 2 * total <= len(self.slots) * self.store.cfg.num_layers, "too few lent blocks"
             self._issue(0)
+
+    def _runs(self, layer: int, index: int) -> list[tuple[int, int, int, int]]:
+        """Where request ``index``'s history of ``layer`` lives: runs of (first history block,
+        length, layer plane, first pool block), consecutive pool blocks within one plane."""
+        n = sum(len(c) for c in self.plan.seqs[index].restore_chunks)
+        m, slot0 = len(self.slots), (layer % 2) * self.total_blocks + self.offsets[index]
+        runs, t = [], 0
+        while t < n:
+            plane, col = divmod(slot0 + t, m)
+            length = 1
+            while (t + length < n and col + length < m
+                   and self.slots[col + length] == self.slots[col] + length):
+                length += 1
+            runs.append((t, length, plane, self.slots[col]))
+            t += length
+        return runs
 
     def _issue(self, layer: int) -> None:
         if layer >= self.store.cfg.num_layers or not self.total_blocks:
             return
-        buf = self.buffers[layer % 2]
         per_seq = []
-        for s, off in zip(self.plan.seqs, self.offsets):
+        for i, s in enumerate(self.plan.seqs):
             blocks = tuple(b for c in s.restore_chunks for b in c)
-            dst = buf[:, off : off + len(blocks)]
-            per_seq.append(self.store.restore(layer, blocks, dst, s.request_id) if blocks else [])
+            handles = []
+            for t, length, plane, first in self._runs(layer, i):
+                dst = self.store.device[plane, :, first : first + length]
+                handles += self.store.restore(layer, blocks[t : t + length], dst, s.request_id)
+            per_seq.append(handles)
         self.handles[layer] = per_seq
 
     def pieces(self, layer: int, index: int, while_waiting: Gap | None = None
@@ -143,16 +160,14 @@ class LayerRestore(HistorySource):
         error = self.errors[index]
         if error is not None:
             raise error
-        buf = self.buffers[layer % 2]
-        off = self.offsets[index]
-        n = seq.host_tokens // self.store.block_size
         cfg = self.store.cfg
-        k = buf[0, off : off + n].reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = buf[1, off : off + n].reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-        yield k, v
+        for _, length, plane, first in self._runs(layer, index):
+            kv = self.store.device[plane, :, first : first + length]  # [2, length, bs, kv, D]
+            yield (kv[0].reshape(-1, cfg.num_kv_heads, cfg.head_dim),
+                   kv[1].reshape(-1, cfg.num_kv_heads, cfg.head_dim))
 
     def end(self) -> None:
-        self.buffers, self.handles = [], {}
+        self.handles = {}
 
 
 @dataclass

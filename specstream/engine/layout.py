@@ -19,12 +19,12 @@ class RuntimeLayout:
     # KV blocks of the device pool (tails) and of the host tier (offloaded history).
     num_device_blocks: int
     num_host_blocks: int
-    # Device bytes kept out of the pool for history in flight: the staging ring (`stream`) or
-    # two layers of restored history (`restore`); 0 in `resident`.
+    # Device bytes kept out of the pool for history in flight: the staging ring (`stream`);
+    # 0 otherwise (`restore` modes hold their two restored layers in pool blocks that each
+    # admitted request reserves its share of).
     history_reserve_bytes: int
-    # `restore` modes: history tokens one step may restore (two layers of them fill the
-    # reserve); None otherwise.
-    restore_token_cap: int | None
+    # `restore` modes: the model's layer count, for that share; None otherwise.
+    restore_layers: int | None
     # History past this many tokens moves to the host (resolved against the model's context).
     offload_after_tokens: int
     # The model's context and its end-of-sequence token ids.
@@ -38,9 +38,8 @@ class RuntimeLayout:
         layer_token_bytes = model.kv_bytes_per_token(dtype_bytes) // model.num_layers
         block_bytes = config.block_size * model.num_layers * layer_token_bytes
         budget = config.device_budget
-        reserve = {"none": 0, "restore": budget // 2,
-                   "stream": config.staging_buffers * config.chunk_tokens * layer_token_bytes}
-        history_reserve = reserve[mode.history]
+        history_reserve = (config.staging_buffers * config.chunk_tokens * layer_token_bytes
+                           if mode.history == "stream" else 0)
         num_device_blocks = (budget - history_reserve) // block_bytes
         if num_device_blocks < 2:
             raise ValueError(
@@ -54,8 +53,7 @@ class RuntimeLayout:
             num_device_blocks=num_device_blocks,
             num_host_blocks=config.host_kv_bytes // block_bytes if mode.offload else 0,
             history_reserve_bytes=history_reserve,
-            restore_token_cap=(history_reserve // (2 * layer_token_bytes)
-                               if mode.history == "restore" else None),
+            restore_layers=model.num_layers if mode.history == "restore" else None,
             offload_after_tokens=(config.offload_after_tokens
                                   if config.offload_after_tokens is not None
                                   else default_offload_after(max_len)),

@@ -77,7 +77,7 @@ class LLMEngine:
         if config.link_gbps:  # a first estimate; completed copies refine it (see _account)
             self.history.link_bps = config.link_gbps * 1e9
         tok = self.tokenizer
-        self.scheduler = Scheduler(config, self.kv, restore_token_cap=layout.restore_token_cap,
+        self.scheduler = Scheduler(config, self.kv, restore_layers=layout.restore_layers,
                                    max_model_len=layout.max_model_len,
                                    eos_token_ids=layout.eos_token_ids,
                                    decode=tok.decode if tok is not None else None)

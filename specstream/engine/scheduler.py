@@ -40,8 +40,13 @@ class StepUpdate:
 
 @dataclass
 class _Reservation:
-    device_blocks: int
-    host_blocks: int
+    device_blocks: int  # the steady tail
+    host_blocks: int  # the whole history
+    restore_blocks: int = 0  # `restore` modes: its share of the two layers a step restores
+
+    @property
+    def device_total(self) -> int:
+        return self.device_blocks + self.restore_blocks
 
 
 class Scheduler:
@@ -49,16 +54,17 @@ class Scheduler:
         self,
         config: EngineConfig,
         kv: KVManager,
-        restore_token_cap: int | None = None,
+        restore_layers: int | None = None,
         max_model_len: int = 1 << 62,
         eos_token_ids: Collection[int] = (),
         decode: Callable[[list[int]], str] | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
-        # In `restore` modes a step can only restore this many history tokens (two layers of
-        # them must fit in the device budget's restore share).
-        self.restore_token_cap = restore_token_cap
+        # `restore` modes: the model's layer count. A step holds two layers of its requests'
+        # history on the device (the one attended, the next one prefetched), in pool blocks
+        # lent to the step; each request reserves its share (2 / layers of its host blocks).
+        self.restore_layers = restore_layers
         # Runtime facts of the model: its context, its end-of-sequence ids, its detokenizer
         # (for stop strings and the final text; None for a folder without a tokenizer).
         self.max_model_len = max_model_len
@@ -98,12 +104,19 @@ class Scheduler:
             tail = min(tail, total + step)
         else:
             tail = total + step
-        return _Reservation(-(-tail // bs) + 1, self.kv.host_blocks_needed(total))
+        host = self.kv.host_blocks_needed(total)
+        return _Reservation(-(-tail // bs) + 1, host, self._restore_blocks(host))
+
+    def _restore_blocks(self, host_blocks: int) -> int:
+        """Pool blocks that hold two layers of ``host_blocks`` blocks of history."""
+        layers = self.restore_layers
+        return -(-2 * host_blocks // layers) if layers else 0
 
     def _outstanding(self) -> int:
         """Blocks that admitted requests may still claim from the free pool."""
         held = {rid: len(s.device_blocks) for rid, s in self.kv.seqs.items()}
-        return sum(max(0, r.device_blocks - held.get(rid, 0)) for rid, r in self._reserved.items())
+        return sum(max(0, r.device_blocks - held.get(rid, 0)) + r.restore_blocks
+                   for rid, r in self._reserved.items())
 
     def _prefill_room(self, req: Request) -> int:
         """Tokens a prefill chunk of ``req`` may write now without touching others' reserve."""
@@ -118,13 +131,16 @@ class Scheduler:
     def check_fits(self, req: Request) -> None:
         """Raise if the request could never be admitted, even on an idle engine."""
         r = self.reservation(req)
-        if r.device_blocks + self.scratch_blocks > self.kv.device.num_blocks:
+        if r.device_total + self.scratch_blocks > self.kv.device.num_blocks:
             p = self.kv.policy
             remedy = (f"or lower offload_after_tokens (now {p.offload_after_tokens}: the "
                       "device keeps a request's KV until it passes that many tokens)"
                       if p.offload else "or use an offloading mode")
+            if r.restore_blocks:
+                remedy += (f"; {r.restore_blocks} of them hold two restored layers of its "
+                           "history (a streaming mode needs none)")
             raise ValueError(
-                f"request needs {r.device_blocks + self.scratch_blocks} device KV blocks but the "
+                f"request needs {r.device_total + self.scratch_blocks} device KV blocks but the "
                 f"device budget holds {self.kv.device.num_blocks}; raise device_kv_bytes "
                 + remedy)
         if r.host_blocks > self.kv.host.num_blocks:
@@ -132,14 +148,6 @@ class Scheduler:
                 f"request needs {r.host_blocks} host KV blocks but host_kv_bytes holds "
                 f"{self.kv.host.num_blocks}"
             )
-        if self.restore_token_cap is not None:
-            hist = r.host_blocks * self.config.block_size
-            if hist > self.restore_token_cap:
-                raise ValueError(
-                    f"mode {self.config.mode!r} restores whole layers of history: {hist} "
-                    f"tokens exceed the device budget's restore share of "
-                    f"{self.restore_token_cap} tokens; raise device_kv_bytes"
-                )
 
     def add(self, req: Request) -> None:
         self.check_fits(req)
@@ -151,7 +159,7 @@ class Scheduler:
             req = self.waiting[0]
             r = self.reservation(req)
             limit = self.kv.device.num_blocks - self.scratch_blocks
-            if (self._reserved_device + r.device_blocks > limit
+            if (self._reserved_device + r.device_total > limit
                     or self._reserved_host + r.host_blocks > self.kv.host.num_blocks):
                 return
             self.waiting.popleft()
@@ -159,7 +167,7 @@ class Scheduler:
                 # resident: hold the whole reservation now, as one run of consecutive blocks
                 self.kv.allocate(req.request_id, (r.device_blocks - 1) * self.config.block_size)
             self._reserved[req.request_id] = r
-            self._reserved_device += r.device_blocks
+            self._reserved_device += r.device_total
             self._reserved_host += r.host_blocks
             req.status = Status.RUNNING
             self.running.append(req)
@@ -192,7 +200,6 @@ class Scheduler:
         group = None if prefilling else self._verify_group()
         seqs: list[SeqWork] = []
         prefill_budget = self.config.max_prefill_tokens
-        history_budget = self.restore_token_cap
         n = len(self.running)
         order = [self.running[(self._rr + i) % n] for i in range(n)] if n else []
         self._rr += 1
@@ -208,9 +215,6 @@ class Scheduler:
                 req.needs_draft or (group is not None and req.group != group)
             ):
                 continue  # its drafts are being made, or the other group verifies now
-            host_tokens = self.kv.host_tokens(rid) if rid in self.kv.seqs else 0
-            if history_budget is not None and host_tokens > history_budget:
-                continue  # waits for a step with room to restore its history
             if req.in_prefill:
                 todo = req.num_tokens - 1 - req.num_computed_tokens
                 take = min(todo + 1, prefill_budget, self._prefill_room(req))
@@ -224,8 +228,6 @@ class Scheduler:
                 tokens = [req.all_token_ids[-1]]
                 drafts = list(req.draft_token_ids)
                 sample = True
-            if history_budget is not None:
-                history_budget -= host_tokens
             inputs = tuple(tokens) + tuple(drafts)
             self.kv.allocate(rid, len(inputs))
             seq = self.kv.seqs[rid]
@@ -242,7 +244,11 @@ class Scheduler:
                 params=req.params,
             ))
         finished, self._finished = tuple(self._finished), []
-        return StepPlan(tuple(seqs), self._draft_work(seqs, prefilling), finished)
+        # `restore` modes: pool blocks for two layers of the step's history, lent for the step
+        # (the admitted requests' reservations keep them free)
+        history = sum(len(c) for s in seqs for c in s.restore_chunks)
+        lent = tuple(self.kv.device.allocate(self._restore_blocks(history))) if history else ()
+        return StepPlan(tuple(seqs), self._draft_work(seqs, prefilling), finished, lent)
 
     def _draft_work(self, seqs: list[SeqWork], prefilling: bool) -> tuple[DraftWork, ...]:
         """Who drafts in this step. Requests not verified in it and still without drafts
@@ -284,6 +290,7 @@ class Scheduler:
         request with neither tokens nor an error in the output did not run: it stays as it was
         and is scheduled again."""
         result = StepUpdate()
+        self.kv.device.free(list(plan.restore_blocks))
         for work in plan.seqs:
             req = self.requests.get(work.request_id)
             if req is None or req.finished:
@@ -390,5 +397,5 @@ class Scheduler:
         self._finished.append(rid)
         r = self._reserved.pop(rid, None)
         if r is not None:
-            self._reserved_device -= r.device_blocks
+            self._reserved_device -= r.device_total
             self._reserved_host -= r.host_blocks

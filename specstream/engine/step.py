@@ -70,6 +70,9 @@ class StepPlan:
     # Requests finished since the last plan: the worker drops their state (draft caches,
     # generators, draft probabilities).
     finished: tuple[str, ...] = ()
+    # `restore` modes: device pool blocks lent to the step to hold two layers of its history
+    # (every layer plane of each block is a slot); returned by the update.
+    restore_blocks: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
