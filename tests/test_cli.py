@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
-import specstream
 from specstream.cli import build_parser, main
 
-# The README's main job prompts with this file: ~4.6K tokens, past the embedded model's
+# The README's main job prompts with this file: ~6.3K tokens, past the embedded model's
 # offload threshold (a quarter of its 8K context), so history really streams.
-MAIN_JOB_PROMPT = Path(specstream.__file__).parent / "engine" / "scheduler.py"
+MAIN_JOB_PROMPT = Path(__file__).resolve().parents[1] / "examples" / "long_prompt.txt"
 
 
 def test_main_job_offloads_streams_and_speculates(capsys):
