@@ -166,3 +166,28 @@ def test_tails_past_the_threshold_are_written_back() -> None:
     assert len(moves["r"]) == 4 and sched.kv.host_tokens("r") == 64
     held = len(sched.kv.seqs["r"].device_blocks)
     assert sched.kv.device.num_used == held  # the copied blocks were freed
+
+
+def test_decode_write_backs_ride_along_the_next_step() -> None:
+    """A decode round that pushes the tail past its budget plans the copies for the next step
+    (they overlap its round, and the tail blocks are attended on the device meanwhile); a prefill
+    chunk's copies are made before the next chunk, which needs the room."""
+    sched = _offload_scheduler(mode="offload", proposer=None, num_speculative_tokens=None)
+    sched.add(Request("r", list(range(3, 40)), SamplingParams(max_tokens=80, ignore_eos=True)))
+    plan = sched.schedule()  # the whole 37-token prompt: below the 64-token threshold
+    update = sched.update(plan, _emit(plan))
+    assert update.writebacks == {}
+    while sched.kv.seqs["r"].num_tokens <= 64:  # decode until the tail passes the threshold
+        plan = sched.schedule()
+        assert plan.writebacks == ()
+        update = sched.update(plan, _emit(plan))
+    assert update.writebacks == {}  # not copied at the end of the step...
+    moving = sched.kv.seqs["r"].moving
+    assert len(moving) == 2 and sched.kv.host_tokens("r") == 0
+    plan = sched.schedule()  # ...but during the next one, the blocks still in the tail
+    assert plan.writebacks == (("r", tuple(moving)),)
+    assert plan.seqs[0].host_tokens == 0 and plan.seqs[0].device_blocks[:2] == tuple(
+        d for d, _ in moving)
+    sched.update(plan, _emit(plan))
+    assert sched.kv.host_tokens("r") == 32 and not sched.kv.seqs["r"].moving
+    assert sched.schedule().seqs[0].restore_chunks  # now restored from the host

@@ -31,8 +31,9 @@ class StepUpdate:
 
     # Requests the step worked on, in plan order (finished ones included, reported once).
     touched: list[Request] = field(default_factory=list)
-    # Tail blocks of running requests that now belong on the host: the worker copies them,
-    # then ``complete_writebacks`` frees the device blocks.
+    # Tail blocks that a prefill chunk pushed past the budget: the worker copies them before
+    # the next step, then ``complete_writebacks`` frees them (the next chunk needs the room;
+    # decode rounds' write-backs instead ride along the next step, see StepPlan.writebacks).
     writebacks: Writebacks = field(default_factory=dict)
     # Tokens appended to outputs (those past a stop are dropped).
     num_appended: int = 0
@@ -248,7 +249,9 @@ class Scheduler:
         # (the admitted requests' reservations keep them free)
         history = sum(len(c) for s in seqs for c in s.restore_chunks)
         lent = tuple(self.kv.device.allocate(self._restore_blocks(history))) if history else ()
-        return StepPlan(tuple(seqs), self._draft_work(seqs, prefilling), finished, lent)
+        moving = tuple((rid, tuple(seq.moving)) for rid, seq in self.kv.seqs.items()
+                       if seq.moving)
+        return StepPlan(tuple(seqs), self._draft_work(seqs, prefilling), finished, lent, moving)
 
     def _draft_work(self, seqs: list[SeqWork], prefilling: bool) -> tuple[DraftWork, ...]:
         """Who drafts in this step. Requests not verified in it and still without drafts
@@ -291,6 +294,14 @@ class Scheduler:
         and is scheduled again."""
         result = StepUpdate()
         self.kv.device.free(list(plan.restore_blocks))
+        for rid, _ in plan.writebacks:  # copied during the step: the blocks join the host tier
+            req = self.requests.get(rid)
+            if req is None or req.finished:
+                continue
+            if rid in output.errors:
+                self.finish(req, "error", output.errors[rid])
+            else:
+                self.kv.complete_writeback(rid)
         for work in plan.seqs:
             req = self.requests.get(work.request_id)
             if req is None or req.finished:
@@ -305,9 +316,10 @@ class Scheduler:
             new = new or []
             if work.sample:
                 self._count_round(req, work, len(new))
-            pairs = self._commit(work, req, len(new))
+            self._commit(work, req, len(new))
             result.num_appended += self._append(req, new)
-            if pairs:
+            pairs = [] if req.finished else self.kv.plan_writeback(req.request_id)
+            if pairs and work.prefill:
                 result.writebacks[req.request_id] = pairs
             if work.sample and not req.finished and self.config.speculative:
                 if req.group < 0 and self.two_groups:
@@ -325,22 +337,22 @@ class Scheduler:
             elif d.request_id in output.drafts:
                 req.draft_token_ids = list(output.drafts[d.request_id])
                 req.needs_draft = False
-        for rid in [rid for rid in result.writebacks if self.requests[rid].finished]:
-            self.kv.complete_writeback(result.writebacks.pop(rid))  # freed, nothing to copy
         return result
 
     def complete_writebacks(self, writebacks: Writebacks, errors: dict[str, str]) -> None:
         """The worker copied ``writebacks``: free their device blocks; fail requests whose copy
         failed."""
-        for rid, pairs in writebacks.items():
-            self.kv.complete_writeback(pairs)
+        for rid in writebacks:
             req = self.requests.get(rid)
-            if rid in errors and req is not None and not req.finished:
+            if req is None or req.finished:
+                continue
+            if rid in errors:
                 self.finish(req, "error", errors[rid])
+            else:
+                self.kv.complete_writeback(rid)
 
-    def _commit(self, work: SeqWork, req: Request, num_new_tokens: int) -> list[tuple[int, int]]:
-        """Record a step's KV for one request (drafts past the accepted ones roll back);
-        returns the (device block, host block) write-backs its tail now needs."""
+    def _commit(self, work: SeqWork, req: Request, num_new_tokens: int) -> None:
+        """Record a step's KV for one request (drafts past the accepted ones roll back)."""
         if work.sample:
             # the inputs up to the accepted drafts now have KV; the newest token does not
             kept = work.start_pos + len(work.token_ids) - work.num_drafts + num_new_tokens - 1
@@ -348,7 +360,6 @@ class Scheduler:
             kept = work.start_pos + len(work.token_ids)
         req.num_computed_tokens = kept
         self.kv.commit(req.request_id, kept)
-        return self.kv.plan_writeback(req.request_id)
 
     def _count_round(self, req: Request, work: SeqWork, num_new: int) -> None:
         if req.first_token_time is None:

@@ -73,6 +73,11 @@ class StepPlan:
     # `restore` modes: device pool blocks lent to the step to hold two layers of its history
     # (every layer plane of each block is a slot); returned by the update.
     restore_blocks: tuple[int, ...] = ()
+    # Tail blocks to copy to the host tier during the step, at low priority, as
+    # (request id, ((device block, host block), ...)): planned when a decode round pushed the
+    # tail past its budget; still the head of the request's device tail (attended there) until
+    # the update sees them landed.
+    writebacks: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -86,7 +91,8 @@ class StepPlan:
     def request_ids(self) -> tuple[str, ...]:
         """Every request the step works on (forward pass or drafts), each once."""
         return tuple(dict.fromkeys([s.request_id for s in self.seqs]
-                                   + [d.request_id for d in self.drafts]))
+                                   + [d.request_id for d in self.drafts]
+                                   + [rid for rid, _ in self.writebacks]))
 
 
 @dataclass

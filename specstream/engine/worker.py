@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from specstream.backends.base import TransferBackend, TransferError
+from specstream.backends.base import TransferBackend, TransferError, TransferHandle
 from specstream.engine.drafting import Drafting
 from specstream.engine.history import HistorySource
 from specstream.engine.request import RequestError
@@ -50,6 +50,10 @@ class Worker:
         out = StepOutput(start=t0)
         for rid in plan.finished:
             self.release(rid)
+        # decode rounds' write-backs, at low priority: they overlap this round, which still
+        # attends the blocks on the device
+        writebacks = [(rid, self.store.writeback(list(pairs), rid))
+                      for rid, pairs in plan.writebacks]
         wait0 = self.history.wait_s
         during = [d for d in plan.drafts if not d.after_verify]
         job = self._start(during, {}, out)
@@ -63,6 +67,8 @@ class Worker:
             for d in plan.drafts:  # their draft caches may be part-advanced: start them anew
                 self.release(d.request_id)
             raise
+        finally:  # no copy may still be writing when its blocks change hands
+            out.errors.update(self._wait(writebacks))
         out.wait_s = self.history.wait_s - wait0
         out.draft_s = self.drafting.end()
         self._take(job, out)
@@ -77,15 +83,20 @@ class Worker:
         return out
 
     def writeback(self, moves: dict[str, list[tuple[int, int]]]) -> dict[str, str]:
-        """Copy tail blocks to the host tier and wait for them; returns errors per request."""
-        handles = [(rid, self.store.writeback(pairs, rid)) for rid, pairs in moves.items()]
+        """Copy tail blocks to the host tier now and wait for them; returns errors per
+        request."""
+        return self._wait([(rid, self.store.writeback(pairs, rid))
+                           for rid, pairs in moves.items()])
+
+    @staticmethod
+    def _wait(copies: list[tuple[str, list[TransferHandle]]]) -> dict[str, str]:
         errors: dict[str, str] = {}
-        for rid, hs in handles:
-            for h in hs:
+        for rid, handles in copies:
+            for h in handles:
                 try:
                     h.wait()
                 except TransferError as exc:
-                    errors[rid] = f"KV write-back failed: {exc}"
+                    errors.setdefault(rid, f"KV write-back failed: {exc}")
         return errors
 
     def release(self, request_id: str) -> None:

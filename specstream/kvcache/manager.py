@@ -7,8 +7,9 @@ resident tail, ``device_blocks``). Token ``t`` of a request is in ``host_blocks[
 
 The manager plans movements; the transfer handler performs them:
 - ``plan_writeback``: once a request passes ``offload_after_tokens``, tail blocks beyond the
-  resident-tail budget are assigned host blocks (device to host copies);
-  ``complete_writeback`` frees the device blocks after the copies finished.
+  resident-tail budget are assigned host blocks (device to host copies, ``moving``). Until
+  ``complete_writeback`` they stay the head of the device tail (attended there while the copies
+  run); then they join the host history and their device blocks are freed.
 - ``restore_chunks``: the host history cut into chunks of ``chunk_tokens`` for one step (the
   worker restores each chunk layer by layer).
 """
@@ -80,6 +81,9 @@ class SeqBlocks:
     host_blocks: list[int] = field(default_factory=list)
     device_blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0  # tokens whose KV is stored (host + device)
+    # (device block, host block) copies planned and not completed: the first len(moving)
+    # device blocks, on their way to the host
+    moving: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -176,32 +180,37 @@ class KVManager:
         seq = self.seqs.pop(rid, None)
         if seq is not None:
             self.device.free(seq.device_blocks)
-            self.host.free(seq.host_blocks)
+            self.host.free(seq.host_blocks + [h for _, h in seq.moving])
 
     # ---- movement plans -----------------------------------------------------------------
     def plan_writeback(self, rid: str) -> list[tuple[int, int]]:
-        """(device block, host block) pairs to copy device to host; bookkeeping moves now.
+        """(device block, host block) pairs to copy device to host (none while an earlier
+        write-back of the request is still moving).
 
-        The device blocks stay allocated until ``complete_writeback``. Only full blocks move,
-        and the tail keeps at least ``resident_tail_tokens`` tokens.
+        Only full blocks move, and the tail keeps at least ``resident_tail_tokens`` tokens. The
+        blocks stay the head of the device tail until ``complete_writeback``.
         """
         seq = self.seqs[rid]
         p = self.policy
-        if not p.offload or seq.num_tokens <= p.offload_after_tokens:
+        if not p.offload or seq.moving or seq.num_tokens <= p.offload_after_tokens:
             return []
         tail_tokens = seq.num_tokens - len(seq.host_blocks) * self.block_size
         movable = (tail_tokens - p.resident_tail_tokens) // self.block_size
         movable = min(movable, self.host.num_free)
         if movable <= 0:
             return []
-        host = self.host.allocate(movable)
-        moved = seq.device_blocks[:movable]
-        del seq.device_blocks[:movable]
-        seq.host_blocks.extend(host)
-        return list(zip(moved, host))
+        seq.moving = list(zip(seq.device_blocks[:movable], self.host.allocate(movable)))
+        return list(seq.moving)
 
-    def complete_writeback(self, pairs: list[tuple[int, int]]) -> None:
-        self.device.free([d for d, _ in pairs])
+    def complete_writeback(self, rid: str) -> None:
+        """The copies of ``rid``'s moving blocks landed: they join its host history and their
+        device blocks are freed."""
+        seq = self.seqs[rid]
+        n = len(seq.moving)
+        self.device.free(seq.device_blocks[:n])
+        del seq.device_blocks[:n]
+        seq.host_blocks.extend(h for _, h in seq.moving)
+        seq.moving = []
 
     def restore_chunks(self, rid: str) -> list[RestoreChunk]:
         """The host history of ``rid`` in chunks of at most ``chunk_tokens`` tokens."""
