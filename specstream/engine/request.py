@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +72,21 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def stop_reason(self, eos_token_ids: Collection[int],
+                    decode: Callable[[list[int]], str] | None) -> str | None:
+        """Why the request ends after its newest token ("stop", "length"), or None. A stop
+        string cuts ``output_text`` before it."""
+        params, tok = self.params, self.output_token_ids[-1]
+        if tok in params.stop_token_ids or (tok in eos_token_ids and not params.ignore_eos):
+            return "stop"
+        if params.stop and decode is not None:
+            text = decode(self.output_token_ids)
+            hits = [text.find(s) for s in params.stop if s in text]
+            if hits:
+                self.output_text = text[: min(hits)]
+                return "stop"
+        return "length" if len(self.output_token_ids) >= params.max_tokens else None
 
 
 @dataclass

@@ -15,28 +15,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specstream.config import EngineConfig
 from specstream.engine.request import Request, Status
-from specstream.engine.step import DraftWork, SeqWork, StepOutput, StepPlan
+from specstream.engine.step import DraftWork, SeqWork, StepOutput, StepPlan, StepUpdate, Writebacks
 from specstream.kvcache.manager import KVManager
-
-Writebacks = dict[str, list[tuple[int, int]]]  # request id -> (device block, host block) pairs
-
-
-@dataclass
-class StepUpdate:
-    """What ``Scheduler.update`` did with a step's output."""
-
-    # Requests the step worked on, in plan order (finished ones included, reported once).
-    touched: list[Request] = field(default_factory=list)
-    # Tail blocks that a prefill chunk pushed past the budget: the worker copies them before
-    # the next step, then ``complete_writebacks`` frees them (the next chunk needs the room;
-    # decode rounds' write-backs instead ride along the next step, see StepPlan.writebacks).
-    writebacks: Writebacks = field(default_factory=dict)
-    # Tokens appended to outputs (those past a stop are dropped).
-    num_appended: int = 0
 
 
 @dataclass
@@ -371,21 +355,9 @@ class Scheduler:
 
     def _append(self, req: Request, new: list[int]) -> int:
         """Append emitted tokens up to the first that ends the request; returns how many."""
-        params = req.params
         for i, tok in enumerate(new, 1):
             req.output_token_ids.append(tok)
-            reason = None
-            if tok in params.stop_token_ids or (tok in self.eos_token_ids
-                                                and not params.ignore_eos):
-                reason = "stop"
-            elif params.stop and self.decode is not None:
-                text = self.decode(req.output_token_ids)
-                hits = [text.find(s) for s in params.stop if s in text]
-                if hits:
-                    req.output_text = text[: min(hits)]
-                    reason = "stop"
-            if reason is None and len(req.output_token_ids) >= params.max_tokens:
-                reason = "length"
+            reason = req.stop_reason(self.eos_token_ids, self.decode)
             if reason is not None:
                 self.finish(req, reason)
                 return i

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specstream.engine.request import Request
 from specstream.sampling_params import SamplingParams
 
 
@@ -117,3 +118,20 @@ class StepOutput:
         ``request_id`` when the failure belongs to it)."""
         rids = (request_id,) if request_id in plan.request_ids else plan.request_ids
         return cls(errors={rid: message for rid in rids})
+
+
+Writebacks = dict[str, list[tuple[int, int]]]  # request id -> (device block, host block) pairs
+
+
+@dataclass
+class StepUpdate:
+    """What ``Scheduler.update`` did with a step's output."""
+
+    # Requests the step worked on, in plan order (finished ones included, reported once).
+    touched: list[Request] = field(default_factory=list)
+    # Tail blocks that a prefill chunk pushed past the budget: copied right after the step,
+    # then ``Scheduler.complete_writebacks`` frees them (the next chunk needs the room; decode
+    # rounds' write-backs ride along the next step instead, see StepPlan.writebacks).
+    writebacks: Writebacks = field(default_factory=dict)
+    # Tokens appended to outputs (those past a stop are dropped).
+    num_appended: int = 0
