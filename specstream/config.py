@@ -28,6 +28,12 @@ class ModeSpec:
     # (without one it would silently be `offload` or `stream`).
     needs_drafts: bool = False
 
+    @property
+    def two_groups(self) -> bool:
+        """Requests form two groups that alternate: one verifies while the other drafts (in
+        the link's gaps, or on the second device)."""
+        return self.drafting != "sequential"
+
 
 MODES: dict[str, ModeSpec] = {
     m.name: m

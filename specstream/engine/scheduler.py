@@ -66,7 +66,7 @@ class Scheduler:
         self._rr = 0  # round-robin start when a step cannot take every running request
         # Overlapped modes verify one group per step while the other group drafts.
         spec = config.mode_spec
-        self.two_groups = config.speculative and spec.drafting in ("gaps", "parallel")
+        self.two_groups = config.speculative and spec.two_groups
         self._parity = 0
 
     # ---- admission ----------------------------------------------------------------------
