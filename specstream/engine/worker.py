@@ -8,6 +8,7 @@ the draft probabilities its pending drafts were sampled from.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -52,8 +53,7 @@ class Worker:
             self.release(rid)
         # decode rounds' write-backs, at low priority: they overlap this round, which still
         # attends the blocks on the device
-        writebacks = [(rid, self.store.writeback(list(pairs), rid))
-                      for rid, pairs in plan.writebacks]
+        writebacks = self._copy_to_host(plan.writebacks)
         wait0 = self.history.wait_s
         during = [d for d in plan.drafts if not d.after_verify]
         job = self._start(during, {}, out)
@@ -85,8 +85,12 @@ class Worker:
     def writeback(self, moves: dict[str, list[tuple[int, int]]]) -> dict[str, str]:
         """Copy tail blocks to the host tier now and wait for them; returns errors per
         request."""
-        return self._wait([(rid, self.store.writeback(pairs, rid))
-                           for rid, pairs in moves.items()])
+        return self._wait(self._copy_to_host(moves.items()))
+
+    def _copy_to_host(self, moves: Iterable[tuple[str, Sequence[tuple[int, int]]]]
+                      ) -> list[tuple[str, list[TransferHandle]]]:
+        """Issue device-to-host copies of (device block, host block) pairs, low priority."""
+        return [(rid, self.store.writeback(list(pairs), rid)) for rid, pairs in moves]
 
     @staticmethod
     def _wait(copies: list[tuple[str, list[TransferHandle]]]) -> dict[str, str]:
