@@ -85,8 +85,16 @@ class EngineConfig:
     # A request's history moves to the host once it passes this many tokens. None: derived
     # from the model by `default_offload_after` (a quarter of its context, at most 8192).
     offload_after_tokens: int | None = None
+    # `stream` modes: tokens of one request's history per chunk; a chunk wave copies and
+    # attends the j-th chunk of up to `wave_requests` requests at once, and the staging ring
+    # holds `staging_buffers` waves (staging_buffers x wave_requests x chunk_tokens tokens of
+    # one layer).
     chunk_tokens: int = 2048
     staging_buffers: int = 2
+    wave_requests: int = 8
+    # Attention kernels: "torch", "triton" (on CPU tensors only under TRITON_INTERPRET=1), or
+    # "auto" (Triton on CUDA when it is importable, torch otherwise).
+    attention_backend: str = "auto"
     # Emulated link bandwidth (GB/s) for the cpu backend; None = copies at memory speed.
     link_gbps: float | None = None
     max_num_seqs: int = 64
@@ -110,7 +118,7 @@ class EngineConfig:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose from {sorted(MODES)}")
         positive = ("block_size", "host_kv_bytes", "chunk_tokens", "staging_buffers",
-                    "max_num_seqs", "max_prefill_tokens", "draft_window_tokens")
+                    "wave_requests", "max_num_seqs", "max_prefill_tokens", "draft_window_tokens")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -140,6 +148,9 @@ class EngineConfig:
         self._check_speculation(q)
         if self.draft_cache not in ("window", "full"):
             raise ValueError(f"draft_cache must be 'window' or 'full', got {self.draft_cache!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', got "
+                             f"{self.attention_backend!r}")
         if self.compute_threads is not None and self.compute_threads < 1:
             raise ValueError(f"compute_threads must be >= 1, got {self.compute_threads}")
 

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter. It must be on before the first
+# import of triton (the engine imports it with the attention backends), so it is set here,
+# before any test module imports the package.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _save_qwen3(folder: Path, layers: int, hidden: int, seed: int) -> Path:

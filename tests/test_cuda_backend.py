@@ -46,11 +46,13 @@ class RecordingBackend(CpuBackend):
         return super().h2d_many(pairs, tag, after_compute=after_compute)
 
     def h2d_gather(
-        self, dst: torch.Tensor, src: torch.Tensor, index: list[int], tag: object = None, *,
+        self, dst: torch.Tensor, src: torch.Tensor, index: list[int] | torch.Tensor,
+        tag: object = None, *, rows: list[int] | torch.Tensor | None = None,
         after_compute: bool = True,
     ) -> TransferHandle:  # fmt: skip
-        self.log.extend(("copy", dst[j].data_ptr(), after_compute) for j in range(len(index)))
-        return super().h2d_gather(dst, src, index, tag, after_compute=after_compute)
+        at = range(len(index)) if rows is None else [int(r) for r in rows]
+        self.log.extend(("copy", dst[j].data_ptr(), after_compute) for j in at)
+        return super().h2d_gather(dst, src, index, tag, rows=rows, after_compute=after_compute)
 
 
 def tiny_store(backend: CpuBackend, num_layers: int = 3) -> KVStore:
@@ -84,39 +86,40 @@ def test_chunk_stream_refills_a_buffer_only_after_its_attention(
     recording: RecordingBackend, buffers: int
 ) -> None:
     store = tiny_store(recording)
-    source = ChunkStream(store, chunk_tokens=8, staging_buffers=buffers)
+    source = ChunkStream(store, chunk_tokens=8, staging_buffers=buffers, wave_requests=2)
     starts = {buf.data_ptr(): i for i, buf in enumerate(source.ring)}
     slot_of = lambda ptr: max((p, i) for p, i in starts.items() if p <= ptr)[1]  # noqa: E731
-    source.begin(plan(((0, 1), (2, 3), (4,)), ((5, 6),)))  # type: ignore[arg-type]
+    source.begin(plan(((0, 1), (2, 3), (4,)), ((5, 6),)), [[0, 1]])  # type: ignore[arg-type]
     for layer in range(store.cfg.num_layers):
-        for index in range(2):
-            for k, _ in source.pieces(layer, index):
-                recording.log.append(("attend", k.data_ptr(), True))  # attention queued
+        for _, k, _, _ in source.waves(layer):
+            recording.log.append(("attend", k.data_ptr(), True))  # attention queued
     source.end()
     assert all(after for kind, _, after in recording.log if kind == "copy")
     state = ["free"] * buffers  # per ring slot: free -> filling -> read -> filling ...
     previous: tuple[str, int] = ("", -1)
     for kind, ptr, _ in recording.log:
         s = slot_of(ptr)
-        if kind == "copy":  # the copies of one chunk come in one run; a refill needs a read
+        if kind == "copy":  # the copies of one wave come in one run; a refill needs a read
             assert state[s] != "filling" or previous == ("copy", s), "refilled before read"
             state[s] = "filling"
         else:
             assert state[s] == "filling"
             state[s] = "read"
         previous = (kind, s)
-    num_chunks = 4 * store.cfg.num_layers
-    assert sum(kind == "attend" for kind, _, _ in recording.log) == num_chunks
+    # chunk 0 of both requests is one wave; chunks 1 and 2 of the first are one each
+    num_waves = 3 * store.cfg.num_layers
+    assert sum(kind == "attend" for kind, _, _ in recording.log) == num_waves
 
 
 def test_layer_restore_orders_every_copy_after_compute(recording: RecordingBackend) -> None:
     store = tiny_store(recording)
     source = LayerRestore(store, chunk_tokens=8, staging_buffers=2)
-    source.begin(plan(((0, 1),), ((2,),)))  # type: ignore[arg-type]
+    source.begin(plan(((0, 1),), ((2,),)), [[0, 1]])  # type: ignore[arg-type]
     for layer in range(store.cfg.num_layers):
-        for index in range(2):
-            pieces = list(source.pieces(layer, index))
-            assert sum(k.shape[0] for k, _ in pieces) == 4 * (2 - index)
+        keys = [0, 0]
+        for _, k, _, shape in source.waves(layer):
+            keys[int(shape.index[0])] += k.shape[1]
+        assert keys == [8, 4]
     source.end()
     assert recording.log and all(after for _, _, after in recording.log)
 

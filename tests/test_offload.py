@@ -151,10 +151,12 @@ def test_layer_restore_into_lent_pool_blocks_returns_every_layer_exactly():
         # 2 layers x 7 history blocks = 14 slots: 5 lent blocks x 3 planes, not consecutive
         plan = StepPlan(seqs, restore_blocks=(3, 4, 6, 10, 11))
         source = make_source("restore", store, 4, 2)
-        source.begin(plan)
+        source.begin(plan, [[0, 1]])
         for layer in range(3):
+            waves = list(source.waves(layer))  # one-request waves: the pieces of each request
             for i, h in enumerate(histories):
-                pieces = list(source.pieces(layer, i))
+                pieces = [(k[0], v[0]) for _, k, v, shape in waves
+                          if shape.index is not None and shape.index.tolist() == [i]]
                 assert len(pieces) > 1  # scattered slots, or across planes: several pieces
                 k = torch.cat([p[0] for p in pieces])
                 v = torch.cat([p[1] for p in pieces])

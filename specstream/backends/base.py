@@ -30,6 +30,12 @@ class TransferError(RuntimeError):
         self.tag = tag
 
 
+class BatchTag(tuple):  # type: ignore[type-arg]
+    """The tags of the requests one batched copy serves (a chunk wave), in row order. A failure
+    of the copy fails those whose rows it could not copy; an injected failure for any member's
+    tag fails that member (the error's tag is the BatchTag of the failing members)."""
+
+
 class TransferRecord(NamedTuple):
     """One finished copy, for stats and tracing (perf_counter timestamps, seconds)."""
 
@@ -130,15 +136,19 @@ class TransferBackend(ABC):
                                  for d, s in pairs])
 
     def h2d_gather(
-        self, dst: Tensor, src: Tensor, index: list[int], tag: object = None, *,
-        after_compute: bool = True,
+        self, dst: Tensor, src: Tensor, index: list[int] | Tensor, tag: object = None, *,
+        rows: list[int] | Tensor | None = None, after_compute: bool = True,
     ) -> TransferHandle:
-        """``dst[j] = src[index[j]]`` for every j (rows of dim 0) as one transfer.
+        """``dst[rows[j]] = src[index[j]]`` for every j (rows of dim 0; ``rows`` None: j) as
+        one transfer.
 
         The default splits each row over ``src``'s second dimension into contiguous copies for
         ``h2d_many``; a backend whose copy engine can gather (the CPU emulation) overrides it.
         """
-        pairs = [(dst[j, k], src[i, k]) for j, i in enumerate(index) for k in range(src.shape[1])]
+        index = index.tolist() if isinstance(index, Tensor) else index
+        rows = list(range(len(index))) if rows is None else (
+            rows.tolist() if isinstance(rows, Tensor) else rows)
+        pairs = [(dst[j, k], src[i, k]) for j, i in zip(rows, index) for k in range(src.shape[1])]
         return self.h2d_many(pairs, tag, after_compute=after_compute)
 
     def d2h_many(
@@ -223,9 +233,19 @@ class TransferBackend(ABC):
             self._fail_predicates.clear()
 
     def _should_fail(self, tag: object) -> bool:
+        return self._failing(tag) is not None
+
+    def _failing(self, tag: object) -> object | None:
+        """The tag an injected failure reports for a copy tagged ``tag``, or None: for a
+        BatchTag, the BatchTag of its failing members."""
         with self._lock:
             predicates = list(self._fail_predicates)
-        return any(p(tag) for p in predicates)
+        if not predicates:
+            return None
+        if isinstance(tag, BatchTag):
+            bad = BatchTag(t for t in tag if any(p(t) for p in predicates))
+            return bad or None
+        return tag if any(p(tag) for p in predicates) else None
 
 
 BACKENDS: Registry[type[TransferBackend]] = Registry("transfer backend")

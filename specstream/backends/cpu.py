@@ -30,6 +30,7 @@ from torch import Tensor
 from specstream.backends.base import (
     D2H,
     H2D,
+    BatchTag,
     TransferBackend,
     TransferError,
     TransferHandle,
@@ -78,9 +79,10 @@ class _Job:
     pairs: list[tuple[Tensor, Tensor]]  # (dst, src) copies done back to back
     direction: str
     handle: CpuHandle
-    fail: bool  # fault injection decided at submit time
+    fail: object | None  # fault injection decided at submit time: the tag to report
     submitted: float = 0.0  # the link clock's now() when queued
-    gather: tuple[Tensor, Tensor, Tensor] | None = None  # (dst, src, index): one index_select
+    # (dst, src, index, rows): dst[rows] = src[index] (rows None: dst[:n]), one index_select
+    gather: tuple[Tensor, Tensor, Tensor, Tensor | None] | None = None
 
 
 @register_backend("cpu")
@@ -125,21 +127,24 @@ class CpuBackend(TransferBackend):
         return self._submit(pairs, D2H, tag)
 
     def h2d_gather(
-        self, dst: Tensor, src: Tensor, index: list[int], tag: object = None, *,
-        after_compute: bool = True,
+        self, dst: Tensor, src: Tensor, index: list[int] | Tensor, tag: object = None, *,
+        rows: list[int] | Tensor | None = None, after_compute: bool = True,
     ) -> TransferHandle:
-        idx = torch.tensor(index, dtype=torch.long)
-        return self._submit([], H2D, tag, gather=(dst[: len(index)], src, idx))
+        idx = index if isinstance(index, Tensor) else torch.tensor(index, dtype=torch.long)
+        if rows is None:
+            return self._submit([], H2D, tag, gather=(dst[: idx.numel()], src, idx, None))
+        at = rows if isinstance(rows, Tensor) else torch.tensor(rows, dtype=torch.long)
+        return self._submit([], H2D, tag, gather=(dst, src, idx, at))
 
     def _submit(
         self, pairs: list[tuple[Tensor, Tensor]], direction: str, tag: object,
-        gather: tuple[Tensor, Tensor, Tensor] | None = None,
+        gather: tuple[Tensor, Tensor, Tensor, Tensor | None] | None = None,
     ) -> CpuHandle:
         # CPU compute runs synchronously in the caller, so `after_compute` always holds.
         if self._closed:
             raise RuntimeError("CpuBackend is closed")
         handle = CpuHandle(tag)
-        job = _Job(pairs, direction, handle, fail=self._should_fail(tag),
+        job = _Job(pairs, direction, handle, fail=self._failing(tag),
                    submitted=self._now(), gather=gather)
         self._queue.put((_PRIORITY[direction], next(self._seq), job))
         return handle
@@ -157,19 +162,20 @@ class CpuBackend(TransferBackend):
     def _execute(self, job: _Job) -> None:
         nbytes = sum(src.numel() * src.element_size() for _, src in job.pairs)
         if job.gather is not None:
-            rows = job.gather[0]
-            nbytes += rows.numel() * rows.element_size()
+            table, index = job.gather[1], job.gather[2]
+            nbytes += index.numel() * table[0].numel() * table.element_size()
         start = self._now()
         try:
-            if job.fail:
-                raise TransferError(
-                    job.handle.tag, f"injected failure of transfer {job.handle.tag!r}"
-                )
+            if job.fail is not None and not isinstance(job.fail, BatchTag):
+                raise TransferError(job.fail, f"injected failure of transfer {job.fail!r}")
             for dst, src in job.pairs:
                 dst.copy_(src)
             if job.gather is not None:
-                rows, table, index = job.gather
-                torch.index_select(table, 0, index, out=rows)
+                dst, table, index, at = job.gather
+                if at is None:
+                    torch.index_select(table, 0, index, out=dst)
+                else:
+                    dst.index_copy_(0, at, table.index_select(0, index))
             if self.link_gbps is None:
                 end = self._now()
             else:
@@ -179,6 +185,8 @@ class CpuBackend(TransferBackend):
                 if remaining > 0:
                     self._sleep(remaining)
             self._record(start, end, job.direction, nbytes, job.handle.tag)
+            if job.fail is not None:  # some rows of a batched copy: the others landed
+                raise TransferError(job.fail, f"injected failure of transfer {job.fail!r}")
         except BaseException as exc:  # noqa: BLE001  (delivered to the waiter, worker lives on)
             job.handle.error = exc
         finally:

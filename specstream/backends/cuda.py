@@ -172,8 +172,9 @@ class CudaBackend(TransferBackend):
         """One transfer: one stream wait, one pair of timing events, one handle for all pairs."""
         if self._closed:
             raise RuntimeError("CudaBackend is closed")
-        if self._should_fail(tag):
-            error = TransferError(tag, f"injected failure of transfer {tag!r}")
+        failing = self._failing(tag)
+        if failing is not None:
+            error = TransferError(failing, f"injected failure of transfer {failing!r}")
             return CudaHandle(tag, self._device, None, error=error)
         if after_compute:
             stream.wait_stream(torch.cuda.current_stream(self._device))

@@ -68,6 +68,7 @@ def calibration_from(
         "draft_step_time": {"samples": draft_steps},
         "prefill_time": prefill,
         "engine": {"chunk_tokens": s.chunk_tokens, "staging_buffers": s.staging_buffers,
+                   "wave_requests": s.wave_requests,
                    "resident_tail": s.resident_tail_tokens,
                    "offload_threshold": s.offload_after_tokens, "draft_window": 1024,
                    "groups": 2,

@@ -54,8 +54,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-tokens", type=int, default=BenchSettings.chunk_tokens,
                    help="tokens per streamed restore chunk")
     p.add_argument("--staging-buffers", type=int, default=BenchSettings.staging_buffers,
-                   help="chunk buffers in the staging ring of specstream (default "
-                        f"{BenchSettings.staging_buffers})")
+                   help="chunk-wave slots in the staging ring of specstream")
+    p.add_argument("--wave-requests", type=int, default=BenchSettings.wave_requests,
+                   help="requests per chunk wave (a staging slot holds one chunk of each)")
     p.add_argument("--block-size", type=int, default=128, help="tokens per KV block")
     p.add_argument("--resident-tail-tokens", type=int, default=256,
                    help="newest tokens of a request kept on the device")
@@ -75,7 +76,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         model=args.model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
         device_kv_bytes=int(args.device_kv_bytes), link_gbps=args.link_gbps,
         num_speculative_tokens=args.num_speculative_tokens, chunk_tokens=args.chunk_tokens,
-        staging_buffers=args.staging_buffers,
+        staging_buffers=args.staging_buffers, wave_requests=args.wave_requests,
         block_size=args.block_size,
         resident_tail_tokens=args.resident_tail_tokens,
         offload_after_tokens=args.offload_after_tokens,
@@ -153,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
 def _argv(args: argparse.Namespace) -> list[str]:
     out = []
     for k in ("context_len", "num_requests", "output_len", "link_gbps", "device_kv_bytes",
-              "num_speculative_tokens", "chunk_tokens", "staging_buffers"):
+              "num_speculative_tokens", "chunk_tokens", "staging_buffers", "wave_requests"):
         out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     if args.quick:
         out.append("--quick")

@@ -27,12 +27,14 @@ class BenchSettings:
     link_gbps: float | None = 1.0
     num_speculative_tokens: int = 4
     block_size: int = 128
-    # 2048-token chunks as the reference implementation. Four staging buffers, not its two: on
-    # the CPU backend a draft step holds the one compute thread for ~6 ms, while one 2 MB chunk
-    # of the embedded target crosses the 1 GB/s link in 2 ms; four keep the link busy through
-    # a draft step (see engine/overlap.py). On a GPU the draft runs on its own stream instead.
+    # 2048-token chunks as the reference implementation. Two staging slots of two-request chunk
+    # waves: four chunks in flight, not the reference's two: on the CPU backend a draft step
+    # holds the one compute thread for ~6 ms, while one 2 MB chunk of the embedded target
+    # crosses the 1 GB/s link in 2 ms; four keep the link busy through a draft step (see
+    # engine/overlap.py). On a GPU the draft runs on its own stream instead.
     chunk_tokens: int = 2048
-    staging_buffers: int = 4
+    staging_buffers: int = 2
+    wave_requests: int = 2
     resident_tail_tokens: int = 256
     offload_after_tokens: int = 512
     max_prefill_tokens: int = 1024
@@ -45,7 +47,7 @@ class BenchSettings:
                   device_kv_bytes=self.device_kv_bytes, host_kv_bytes=self.host_kv_bytes,
                   link_gbps=self.link_gbps, block_size=self.block_size,
                   chunk_tokens=self.chunk_tokens, staging_buffers=self.staging_buffers,
-                  resident_tail_tokens=self.resident_tail_tokens,
+                  wave_requests=self.wave_requests, resident_tail_tokens=self.resident_tail_tokens,
                   offload_after_tokens=self.offload_after_tokens,
                   max_prefill_tokens=self.max_prefill_tokens, max_num_seqs=self.max_num_seqs,
                   seed=self.seed)

@@ -1,12 +1,19 @@
-"""How host history reaches attention in one step: not at all, whole layers, or streamed chunks.
+"""How host history reaches attention in one step: not at all, whole layers, or chunk waves.
+
+Sources yield *waves* (``attention/waves.py``): keys ``[W, N, kv, D]`` of some requests of one
+query bucket, with the :class:`WaveShape` that says whose they are. The round attends each wave
+in one call, whatever the number of requests in it.
 
 - ``restore`` (the offloading baseline): before a layer attends, that layer's whole history of
   the batch is on the device; the next layer's restore is issued while this one computes, so the
   link never waits on a competent schedule, but attention waits for the whole layer.
-- ``stream`` (SpecStream): every (layer, request, chunk) copy is queued up front through a fixed
-  ring of staging buffers; attention starts on the first chunk that lands and each chunk serves
-  all query positions of its request; a buffer is refilled only after the attention reading it
-  has finished. Device memory for history stays fixed whatever the history length.
+- ``stream`` (SpecStream): for each layer, the j-th chunk of every request of a bucket (up to
+  ``wave_requests`` of them) is one *chunk wave*: one batched copy into one staging slot, one
+  event, one attention call that serves every query position of every request in it. All waves
+  of the step are queued up front, layer-major, through a ring of ``staging_buffers`` slots,
+  each sized for one wave (``wave_requests x chunk_tokens`` tokens of one layer); a slot is
+  refilled once the attention reading it was queued. Launches per step: layers x chunks, not
+  layers x requests x chunks; device memory for history stays fixed whatever its length.
 """
 
 from __future__ import annotations
@@ -20,48 +27,47 @@ from functools import partial
 
 import torch
 
-from specstream.backends.base import TransferError, TransferHandle
+from specstream.attention.waves import WaveShape
+from specstream.backends.base import BatchTag, TransferError, TransferHandle
 from specstream.engine.step import StepPlan
 from specstream.kvcache.storage import KVStore
 from specstream.registry import Registry
 
-Piece = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_tokens, num_kv_heads, head_dim]
-# (landed, link_busy_until) -> None: work that may run while a piece is still in flight
+# (bucket, k, v, shape): k, v [W, N, num_kv_heads, head_dim] for the bucket's requests in shape
+Wave = tuple[int, torch.Tensor, torch.Tensor, WaveShape]
+# (landed, link_busy_until) -> None: work that may run while a wave is still in flight
 Gap = Callable[[Callable[[], bool], float], None]
 
 SOURCES: Registry[type[HistorySource]] = Registry("history source")
 
 
-def make_source(
-    name: str, store: KVStore, chunk_tokens: int, staging_buffers: int
-) -> HistorySource:
-    return SOURCES.get(name)(store, chunk_tokens, staging_buffers)
+def make_source(name: str, store: KVStore, chunk_tokens: int, staging_buffers: int,
+                wave_requests: int = 8) -> HistorySource:
+    return SOURCES.get(name)(store, chunk_tokens, staging_buffers, wave_requests)
 
 
 def _all_done(handles: tuple[TransferHandle, ...]) -> bool:
     return all(h.done() for h in handles)
 
 
-def _wait_all(handles: list[TransferHandle]) -> TransferError | None:
-    err = None
-    for h in handles:
-        try:
-            h.wait()
-        except TransferError as exc:
-            err = err or exc
-    return err
+def _failed_tags(exc: TransferError) -> list[object]:
+    """The request tags a failed copy names (a batched copy names those whose rows failed)."""
+    return list(exc.tag) if isinstance(exc.tag, BatchTag) else [exc.tag]
 
 
 class HistorySource(ABC):
-    """Yields the host-history pieces of (layer, request) in order; raises TransferError after
-    the request's pieces of that layer were consumed if one of its copies failed."""
+    """Yields the host-history waves of one layer in arrival order; a request whose copy failed
+    lands in ``failed`` (its rows may hold anything; the request fails after the step)."""
 
-    def __init__(self, store: KVStore, chunk_tokens: int, staging_buffers: int) -> None:
+    def __init__(self, store: KVStore, chunk_tokens: int, staging_buffers: int,
+                 wave_requests: int = 8) -> None:
         self.store = store
         self.chunk_tokens = chunk_tokens
         self.staging_buffers = staging_buffers
+        self.wave_requests = wave_requests
         self.peak_bytes = 0  # device bytes this source held at most
         self.wait_s = 0.0  # time attention sat waiting for copies (summed over steps)
+        self.failed: dict[str, str] = {}  # this step: request id -> message
         # Bytes/s the link moves while busy, for landing estimates: a first guess (the
         # configured rate, where there is one), then measured from completed copies.
         self.link_bps = 10e9
@@ -72,24 +78,30 @@ class HistorySource(ABC):
         if nbytes >= 1 << 20 and busy_s > 0:
             self.link_bps = 0.7 * self.link_bps + 0.3 * nbytes / busy_s
 
-    def begin(self, plan: StepPlan) -> None:  # noqa: B027
-        """Issue what can be issued before the forward pass."""
+    def begin(self, plan: StepPlan, buckets: list[list[int]]) -> None:
+        """Issue what can be issued before the forward pass. ``buckets``: the step's requests
+        (indices into ``plan.seqs``) as the round's query buckets."""
+        self.plan, self.buckets = plan, buckets
+        self.failed = {}
+        self.where = {i: (b, p) for b, members in enumerate(buckets)
+                      for p, i in enumerate(members)}
 
     @abstractmethod
-    def pieces(self, layer: int, index: int, while_waiting: Gap | None = None
-               ) -> Iterator[Piece]:
-        """History pieces of request ``plan.seqs[index]`` at ``layer``, in arrival order.
-        Before blocking on a piece still in flight, ``while_waiting(landed, link_busy_until)``
-        may use the wait (the drafter's gap)."""
+    def waves(self, layer: int, while_waiting: Gap | None = None) -> Iterator[Wave]:
+        """The waves of ``layer`` in arrival order. Before blocking on one still in flight,
+        ``while_waiting(landed, link_busy_until)`` may use the wait (the drafter's gap)."""
 
     def end(self) -> None:  # noqa: B027
         """Drop per-step buffers."""
 
+    def _fail(self, exc: TransferError) -> None:
+        for tag in _failed_tags(exc):
+            self.failed.setdefault(str(tag), f"KV restore failed: {exc}")
+
 
 @SOURCES.register("none")
 class NoHistory(HistorySource):
-    def pieces(self, layer: int, index: int, while_waiting: Gap | None = None
-               ) -> Iterator[Piece]:
+    def waves(self, layer: int, while_waiting: Gap | None = None) -> Iterator[Wave]:
         return iter(())
 
 
@@ -98,10 +110,10 @@ class LayerRestore(HistorySource):
     """Whole-layer restore with one layer of prefetch: two layers of the step's history on the
     device at a time, in the pool blocks the scheduler lent the step (``plan.restore_blocks``;
     every layer plane of a lent block is a slot for one block of history, so a request's layer
-    history may come as a few pieces, merged exactly by the online softmax)."""
+    history may come as a few pieces, each a one-request wave, merged exactly)."""
 
-    def begin(self, plan: StepPlan) -> None:
-        self.plan = plan
+    def begin(self, plan: StepPlan, buckets: list[list[int]]) -> None:
+        super().begin(plan, buckets)
         self.offsets: list[int] = []
         total = 0
         for s in plan.seqs:
@@ -110,8 +122,8 @@ class LayerRestore(HistorySource):
         self.total_blocks = total
         self.slots = plan.restore_blocks
         self.handles: dict[int, list[list[TransferHandle]]] = {}
+        self.shapes: dict[tuple[int, int, int], WaveShape] = {}
         self.restored_layer = -1
-        self.errors: list[TransferError | None] = []
         if total:
             assert 2 * total <= len(self.slots) * self.store.cfg.num_layers, "too few lent blocks"
             self._issue(0)
@@ -145,63 +157,99 @@ class LayerRestore(HistorySource):
             per_seq.append(handles)
         self.handles[layer] = per_seq
 
-    def pieces(self, layer: int, index: int, while_waiting: Gap | None = None
-               ) -> Iterator[Piece]:
-        seq = self.plan.seqs[index]
-        if not seq.host_tokens:
+    def _shape(self, layer: int, index: int, run: int, num_keys: int) -> WaveShape:
+        key = (layer % 2, index, run)
+        if key not in self.shapes:
+            self.shapes[key] = WaveShape.build(
+                [self.where[index][1]], [num_keys], num_keys, None, self.store.device.device)
+        return self.shapes[key]
+
+    def waves(self, layer: int, while_waiting: Gap | None = None) -> Iterator[Wave]:
+        if not self.total_blocks:
             return
-        if self.restored_layer != layer:
-            # full restore of the layer before any attention on it; then prefetch the next one
-            t0 = time.perf_counter()
-            self.errors = [_wait_all(h) for h in self.handles.pop(layer)]
-            self.wait_s += time.perf_counter() - t0
-            self.restored_layer = layer
-            self._issue(layer + 1)
-        error = self.errors[index]
-        if error is not None:
-            raise error
-        cfg = self.store.cfg
-        for _, length, plane, first in self._runs(layer, index):
-            kv = self.store.device[plane, :, first : first + length]  # [2, length, bs, kv, D]
-            yield (kv[0].reshape(-1, cfg.num_kv_heads, cfg.head_dim),
-                   kv[1].reshape(-1, cfg.num_kv_heads, cfg.head_dim))
+        # full restore of the layer before any attention on it; then prefetch the next one
+        t0 = time.perf_counter()
+        for handles in self.handles.pop(layer):
+            for h in handles:
+                try:
+                    h.wait()
+                except TransferError as exc:
+                    self._fail(exc)
+        self.wait_s += time.perf_counter() - t0
+        self._issue(layer + 1)
+        cfg, bs = self.store.cfg, self.store.block_size
+        for i, seq in enumerate(self.plan.seqs):
+            if not seq.host_tokens or seq.request_id in self.failed:
+                continue
+            for r, (_, length, plane, first) in enumerate(self._runs(layer, i)):
+                kv = self.store.device[plane, :, first : first + length]  # [2, n, bs, kv, D]
+                kv = kv.reshape(2, 1, length * bs, cfg.num_kv_heads, cfg.head_dim)
+                yield self.where[i][0], kv[0], kv[1], self._shape(layer, i, r, length * bs)
 
     def end(self) -> None:
         self.handles = {}
 
 
 @dataclass
-class _Job:
-    layer: int
-    index: int
-    blocks: tuple[int, ...]
-    tag: object
-    slot: int = -1
-    handles: tuple[TransferHandle, ...] = ()
+class _WaveCopy:
+    """One chunk wave's copy, the same for every layer: which host blocks go where."""
+
+    bucket: int
+    index: torch.Tensor  # [n] host blocks, request after request
+    rows: torch.Tensor | None  # [n] slot rows they land in (None: 0 .. n-1)
+    shape: WaveShape
+    tag: BatchTag
+    num_requests: int
 
 
 @SOURCES.register("stream")
 class ChunkStream(HistorySource):
-    """All chunk copies of the step, layer-major, through a ring of staging buffers."""
+    """All chunk waves of the step, layer-major, through a ring of wave-sized staging slots."""
 
-    def __init__(self, store: KVStore, chunk_tokens: int, staging_buffers: int) -> None:
-        super().__init__(store, chunk_tokens, staging_buffers)
+    def __init__(self, store: KVStore, chunk_tokens: int, staging_buffers: int,
+                 wave_requests: int = 8) -> None:
+        super().__init__(store, chunk_tokens, staging_buffers, wave_requests)
         cfg = store.cfg
-        blocks = chunk_tokens // store.block_size
-        shape = (2, blocks, store.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.ring = [store.backend.alloc_device(shape, store.dtype) for _ in range(staging_buffers)]
-        self.ring_bytes = staging_buffers * chunk_tokens * store.layer_token_bytes
-        self.chunk_bytes_per_block = store.block_size * store.layer_token_bytes
+        self.chunk_blocks = chunk_tokens // store.block_size
+        shape = (2, wave_requests * self.chunk_blocks, store.block_size, cfg.num_kv_heads,
+                 cfg.head_dim)
+        # zeroed: a ragged wave leaves rows of a slot unwritten (masked, so finite is enough)
+        self.ring = [store.backend.alloc_device(shape, store.dtype).zero_()
+                     for _ in range(staging_buffers)]
+        self.ring_bytes = staging_buffers * wave_requests * chunk_tokens * store.layer_token_bytes
+        self.block_layer_bytes = store.block_size * store.layer_token_bytes
         self._link_free_at = 0.0
 
-    def begin(self, plan: StepPlan) -> None:
-        self.jobs: deque[_Job] = deque(
-            _Job(layer, i, chunk, s.request_id)
-            for layer in range(self.store.cfg.num_layers)
-            for i, s in enumerate(plan.seqs)
-            for chunk in s.restore_chunks
-        )
-        self.pending: deque[_Job] = deque()  # issued, not consumed, in order
+    def _plan_waves(self, plan: StepPlan, buckets: list[list[int]]) -> list[_WaveCopy]:
+        copies = []
+        cb, bs, device = self.chunk_blocks, self.store.block_size, self.store.device.device
+        for b, members in enumerate(buckets):
+            depth = max((len(plan.seqs[i].restore_chunks) for i in members), default=0)
+            for j in range(depth):
+                having = [p for p, i in enumerate(members)
+                          if len(plan.seqs[i].restore_chunks) > j]
+                for w0 in range(0, len(having), self.wave_requests):
+                    part = having[w0 : w0 + self.wave_requests]
+                    chunks = [plan.seqs[members[p]].restore_chunks[j] for p in part]
+                    lens = [len(c) for c in chunks]
+                    ragged = any(n != cb for n in lens)
+                    rows = ([w * cb + t for w, n in enumerate(lens) for t in range(n)]
+                            if ragged else None)
+                    copies.append(_WaveCopy(
+                        b, torch.tensor([x for c in chunks for x in c], dtype=torch.long),
+                        None if rows is None else torch.tensor(rows, dtype=torch.long),
+                        WaveShape.build(None if part == list(range(len(members))) else part,
+                                        [n * bs for n in lens], cb * bs, None, device),
+                        BatchTag(plan.seqs[members[p]].request_id for p in part), len(part)))
+        return copies
+
+    def begin(self, plan: StepPlan, buckets: list[list[int]]) -> None:
+        super().begin(plan, buckets)
+        copies = self._plan_waves(plan, buckets)
+        self.jobs: deque[tuple[int, _WaveCopy]] = deque(
+            (layer, c) for layer in range(self.store.cfg.num_layers) for c in copies)
+        # issued, not consumed, in order: (layer, copy, slot, handle)
+        self.pending: deque[tuple[int, _WaveCopy, int, TransferHandle]] = deque()
         self._link_free_at = 0.0
         self.free_slots = deque(range(len(self.ring)))
         if self.jobs:
@@ -210,39 +258,36 @@ class ChunkStream(HistorySource):
 
     def _fill(self) -> None:
         while self.free_slots and self.jobs:
-            job = self.jobs.popleft()
-            job.slot = self.free_slots.popleft()
-            job.handles = tuple(
-                self.store.restore(job.layer, job.blocks, self.ring[job.slot], job.tag)
-            )
+            layer, copy = self.jobs.popleft()
+            slot = self.free_slots.popleft()
+            handle = self.store.restore_rows(layer, copy.index, self.ring[slot], copy.tag,
+                                             copy.rows)
             # when the link should be done with everything issued (from the rate estimate)
             start = max(time.perf_counter(), self._link_free_at)
-            nbytes = len(job.blocks) * self.chunk_bytes_per_block
+            nbytes = copy.index.numel() * self.block_layer_bytes
             self._link_free_at = start + nbytes / self.link_bps
-            self.pending.append(job)
+            self.pending.append((layer, copy, slot, handle))
 
-    def pieces(self, layer: int, index: int, while_waiting: Gap | None = None
-               ) -> Iterator[Piece]:
+    def waves(self, layer: int, while_waiting: Gap | None = None) -> Iterator[Wave]:
         cfg = self.store.cfg
-        error: TransferError | None = None
-        while self.pending and (self.pending[0].layer, self.pending[0].index) == (layer, index):
-            job = self.pending.popleft()
+        n = self.chunk_blocks * self.store.block_size
+        while self.pending and self.pending[0][0] == layer:
+            _, copy, slot, handle = self.pending.popleft()
             if while_waiting is not None:
-                while_waiting(partial(_all_done, job.handles), self._link_free_at)
+                while_waiting(partial(_all_done, (handle,)), self._link_free_at)
             t0 = time.perf_counter()
-            err = _wait_all(list(job.handles))
+            try:
+                handle.wait()
+            except TransferError as exc:
+                self._fail(exc)
             self.wait_s += time.perf_counter() - t0
-            if err is None and error is None:
-                n = len(job.blocks)
-                buf = self.ring[job.slot]
-                yield (buf[0, :n].reshape(-1, cfg.num_kv_heads, cfg.head_dim),
-                       buf[1, :n].reshape(-1, cfg.num_kv_heads, cfg.head_dim))
-            error = error or err
-            # the attention on this buffer has finished: refill it with the next chunk
-            self.free_slots.append(job.slot)
+            w = copy.num_requests
+            buf = self.ring[slot][:, : w * self.chunk_blocks]  # [2, w * cb, bs, kv, D]
+            kv = buf.reshape(2, w, n, cfg.num_kv_heads, cfg.head_dim)
+            yield copy.bucket, kv[0], kv[1], copy.shape
+            # the attention reading this slot is queued: refill it with the next wave
+            self.free_slots.append(slot)
             self._fill()
-        if error is not None:
-            raise error
 
     def end(self) -> None:
-        assert not self.pending and not self.jobs, "stream left chunks unconsumed"
+        assert not self.pending and not self.jobs, "stream left waves unconsumed"

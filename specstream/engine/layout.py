@@ -19,7 +19,8 @@ class RuntimeLayout:
     # KV blocks of the device pool (tails) and of the host tier (offloaded history).
     num_device_blocks: int
     num_host_blocks: int
-    # Device bytes kept out of the pool for history in flight: the staging ring (`stream`);
+    # Device bytes kept out of the pool for history in flight: the staging ring of chunk waves
+    # (`stream`);
     # 0 otherwise (`restore` modes hold their two restored layers in pool blocks that each
     # admitted request reserves its share of).
     history_reserve_bytes: int
@@ -38,8 +39,8 @@ class RuntimeLayout:
         layer_token_bytes = model.kv_bytes_per_token(dtype_bytes) // model.num_layers
         block_bytes = config.block_size * model.num_layers * layer_token_bytes
         budget = config.device_budget
-        history_reserve = (config.staging_buffers * config.chunk_tokens * layer_token_bytes
-                           if mode.history == "stream" else 0)
+        history_reserve = (config.staging_buffers * config.wave_requests * config.chunk_tokens
+                           * layer_token_bytes if mode.history == "stream" else 0)
         num_device_blocks = (budget - history_reserve) // block_bytes
         if num_device_blocks < 2:
             raise ValueError(

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from specstream.attention.waves import ATTENTION, resolve_backend
 from specstream.backends import limit_compute_threads, make_backend
 from specstream.config import EngineConfig
 from specstream.engine.drafting import DRAFTING
@@ -73,7 +74,7 @@ class LLMEngine:
         self.store = KVStore(self.model_config, self.dtype, config.block_size,
                              layout.num_device_blocks, layout.num_host_blocks, self.backend)
         self.history = make_source(mode.history, self.store, config.chunk_tokens,
-                                   config.staging_buffers)
+                                   config.staging_buffers, config.wave_requests)
         if config.link_gbps:  # a first estimate; completed copies refine it (see _account)
             self.history.link_bps = config.link_gbps * 1e9
         tok = self.tokenizer
@@ -82,8 +83,9 @@ class LLMEngine:
                                    eos_token_ids=layout.eos_token_ids,
                                    decode=tok.decode if tok is not None else None)
         self.proposer = self._make_proposer() if config.speculative else None
+        attention = ATTENTION.get(resolve_backend(config.attention_backend, device))
         self.worker = Worker(self.model, self.store, self.backend, self.history, self.proposer,
-                             DRAFTING.get(mode.drafting)(self.tracer), self.tracer)
+                             DRAFTING.get(mode.drafting)(self.tracer), attention, self.tracer)
         self._ids = itertools.count()
         self.stats = EngineStats(accepted_per_pos=[0] * max(1, config.q))
         # The newest decode steps, and steps that only prefilled (bounded: a server runs for

@@ -2,19 +2,18 @@
 
 The scheduler decided *what* (which requests, which chunks, which drafts); this file decides
 *when*; the history source and the backend decide *how bytes move*. Per layer: the new tokens'
-q/k/v; their K/V into the resident tail; then every request's queries attend its cold history
-piece by piece as the pieces land (online softmax, so the result is exact whatever the split),
-each landed piece freeing its staging buffer for the next copy, and the drafter taking the wait
-while a piece is still in flight; then the tail and the new tokens, causally; then the rest of
-the layer. Verification (``worker.py``) reads the returned hidden states.
+q/k/v; their K/V into the resident tail; then the cold history as it lands, wave by wave (each
+wave one attention call for every query position of every request in it; the drafter takes the
+wait while a wave is still in flight, each landed wave's slot goes to the next copy); then the
+resident tails, causally; the partial results merge exactly (online softmax) and the rest of
+the layer runs. Verification (``worker.py``) reads the returned hidden states.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specstream.attention import ChunkedAttention
-from specstream.backends.base import TransferError
+from specstream.attention.waves import WaveAttention
 from specstream.engine.attention import StepKV
 from specstream.engine.history import Gap, HistorySource
 from specstream.engine.step import StepPlan
@@ -25,6 +24,7 @@ from specstream.models.decoder import CausalLM
 @torch.no_grad()
 def run_round(
     model: CausalLM, plan: StepPlan, store: KVStore, history: HistorySource, gap: Gap | None,
+    attention: type[WaveAttention],
 ) -> tuple[torch.Tensor, list[tuple[int, int]], dict[str, str]]:
     """Returns the final hidden states ``[num_tokens, hidden]``, each request's rows in them,
     and the requests whose history could not be restored (request id -> message)."""
@@ -35,26 +35,20 @@ def run_round(
                                 torch.tensor(pos, dtype=torch.long, device=device))
     kv = StepKV(plan, store)
     scale, kv_heads = store.cfg.head_dim**-0.5, store.cfg.num_kv_heads
-    failed: dict[str, str] = {}
-    history.begin(plan)  # the first copies of cold history are in flight from here
+    history.begin(plan, kv.groups)  # the first waves of cold history are in flight from here
     try:
         for layer, block in enumerate(model.layers):
             q, k, v = block.qkv(x, cos, sin)  # q [n, heads, D]; k, v [n, kv_heads, D]
             kv.write(layer, k, v)
-            out = torch.zeros_like(q)
-            for i, seq in enumerate(plan.seqs):
-                lo, hi = kv.rows[i]
-                att = ChunkedAttention(q[lo:hi], kv_heads, scale)
-                try:
-                    for hk, hv in history.pieces(layer, i, while_waiting=gap):
-                        att.add(hk, hv)
-                except TransferError as exc:
-                    failed.setdefault(seq.request_id, f"KV restore failed: {exc}")
-                if seq.request_id in failed:
-                    continue  # its rows stay zero; the request fails after the step
-                att.add(*kv.tail(layer, i))
-                out[lo:hi] = att.result(q.dtype)
+            atts = [attention(q[b.q_index].view(len(b.members), b.num_q, *q.shape[1:]),
+                              kv_heads, scale) for b in kv.buckets]
+            for bucket, hk, hv, shape in history.waves(layer, while_waiting=gap):
+                atts[bucket].add(hk, hv, shape)
+            for bucket, att in enumerate(atts):
+                att.add(*kv.tail(layer, bucket))
+            outs = [att.result().flatten(0, 1) for att in atts]  # [W * P, heads, D]
+            out = (outs[0] if len(outs) == 1 else torch.cat(outs))[kv.out_index]
             x = block.finish(x, out)
     finally:
         history.end()
-    return model.norm(x), kv.rows, failed
+    return model.norm(x), kv.rows, dict(history.failed)

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from specstream.attention.waves import WaveAttention
 from specstream.backends.base import TransferBackend, TransferError, TransferHandle
 from specstream.engine.drafting import Drafting
 from specstream.engine.history import HistorySource
@@ -33,9 +34,11 @@ class Worker:
 
     def __init__(
         self, model: CausalLM, store: KVStore, backend: TransferBackend, history: HistorySource,
-        proposer: Proposer | None, drafting: Drafting, tracer: Tracer | None = None,
+        proposer: Proposer | None, drafting: Drafting, attention: type[WaveAttention],
+        tracer: Tracer | None = None,
     ) -> None:
         self.model, self.store, self.backend, self.history = model, store, backend, history
+        self.attention = attention
         self.proposer, self.drafting = proposer, drafting
         self.device = store.device.device
         self.tracer = tracer or Tracer(False)
@@ -144,7 +147,7 @@ class Worker:
     @torch.no_grad()
     def _forward_and_verify(self, plan: StepPlan, out: StepOutput) -> None:
         hidden, rows, failed = run_round(self.model, plan, self.store, self.history,
-                                         self.drafting.gap)
+                                         self.drafting.gap, self.attention)
         out.errors.update(failed)
         # rows whose logits are needed: the last token and every draft of sampling requests
         sampled = [i for i, s in enumerate(plan.seqs) if s.sample and s.request_id not in

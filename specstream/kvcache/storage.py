@@ -27,7 +27,10 @@ class KVStore:
     ) -> None:
         self.cfg, self.dtype, self.block_size, self.backend = cfg, dtype, block_size, backend
         tok = (block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.device = backend.alloc_device((cfg.num_layers, 2, num_device_blocks, *tok), dtype)
+        # zeroed once: attention reads padding rows of partly filled blocks (masked, but a
+        # NaN left in free memory would survive a mask), so every slot must hold a finite value
+        self.device = backend.alloc_device((cfg.num_layers, 2, num_device_blocks, *tok),
+                                           dtype).zero_()
         self.host = (
             backend.alloc_host((num_host_blocks, cfg.num_layers, 2, *tok), dtype)
             if num_host_blocks else None
@@ -84,3 +87,16 @@ class KVStore:
         assert self.host is not None, "restore without a host tier"
         rows = dst.transpose(0, 1)  # [blocks, 2, block_size, kv, D]: a view of dst
         return [self.backend.h2d_gather(rows, self.host[:, layer], list(host_blocks), tag)]
+
+    def restore_rows(
+        self, layer: int, host_blocks: torch.Tensor, dst: torch.Tensor, tag: object,
+        rows: torch.Tensor | None = None,
+    ) -> TransferHandle:
+        """One layer of ``host_blocks`` (``[n]`` long) into blocks ``rows`` of ``dst`` (None:
+        the first n) as one transfer: a chunk wave.
+
+        dst: [2, blocks, block_size, num_kv_heads, head_dim]
+        """
+        assert self.host is not None, "restore without a host tier"
+        return self.backend.h2d_gather(dst.transpose(0, 1), self.host[:, layer], host_blocks,
+                                       tag, rows=rows)

@@ -263,8 +263,8 @@ def engine_concurrency(mode: str, cal: dict[str, Any], block: int, max_prefill: 
     budget = int(cal["device_memory_bytes"])
     history = {"resident": "none", "specstream": "stream"}.get(mode, "restore")
     reserve = {"none": 0, "restore": budget // 2,
-               "stream": int(eng.get("staging_buffers", 2)) * int(eng.get("chunk_tokens", 1024))
-               * int(layer)}[history]
+               "stream": int(eng.get("staging_buffers", 2)) * int(eng.get("wave_requests", 1))
+               * int(eng.get("chunk_tokens", 1024)) * int(layer)}[history]
     blocks = int((budget - reserve) // (block * kv))
     offload = mode != "resident"
     scratch = min(-(-max_prefill // block) + 1, max(2, blocks // 4)) if offload else 0

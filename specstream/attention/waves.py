@@ -1,0 +1,192 @@
+"""Attention of one step in chunk waves: every query position of many requests over each
+request's own keys in one call, merged exactly at the end of the layer.
+
+A wave is one piece of every request it serves: the j-th history chunk of a group of requests
+(copied as one transfer into one staging slot), one request's restored layer, or the resident
+tails of all of them. Per layer the round opens one :class:`WaveAttention` per query bucket
+(requests padded to the same number of query positions), adds the waves as they land, and reads
+the result. Each ``add`` is one attention call returning a partial ``(out, lse)`` normalised
+within the wave; ``result`` merges all of them in one pass (the online-softmax identity
+``out = sum_c exp(lse_c - lse) out_c``, see ``streamed.py``), so the launch count per layer is
+the number of waves, whatever the number of requests.
+
+Backends (``attention_backend``): ``torch`` (matmuls, or the fused CPU flash kernel where torch
+has it) and ``triton`` (``triton_wave.py``: one kernel launch per wave, masks computed in the
+kernel from per-request lengths, no host sync). ``auto`` is Triton for CUDA tensors when it is
+importable, torch otherwise.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from specstream.attention.reference import gqa_group
+from specstream.attention.triton_wave import triton_available, wave_attention_triton
+from specstream.registry import Registry
+
+NEG_INF = float("-inf")
+# torch >= 2.3 on CPU: flash attention that also returns the log-sum-exp (one op per wave)
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+@dataclass
+class WaveShape:
+    """Which of a bucket's requests a wave serves and which keys each of them sees.
+
+    Built once per step (the same for every layer); tensors on the device.
+    """
+
+    # [W] long: the wave's requests as rows of the bucket; None = all of them, in order.
+    index: Tensor | None
+    # [W] int32: request w's keys are 0 .. key_len[w] - 1 of the wave's N.
+    key_len: Tensor
+    # [W] int32 or None: query i of request w sees keys j <= causal_offset[w] + i (the tail).
+    causal_offset: Tensor | None
+    # Every request sees all N keys (no mask needed).
+    full: bool
+    # Folded additive masks of the torch path, by (group, queries, keys).
+    _masks: dict[tuple[int, int, int], Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, index: list[int] | None, key_len: list[int], num_keys: int,
+              causal_offset: list[int] | None, device: torch.device) -> WaveShape:
+        full = causal_offset is None and all(n == num_keys for n in key_len)
+        return cls(
+            None if index is None else torch.tensor(index, dtype=torch.long, device=device),
+            torch.tensor(key_len, dtype=torch.int32, device=device),
+            None if causal_offset is None else torch.tensor(causal_offset, dtype=torch.int32,
+                                                            device=device),
+            full)
+
+    def folded_mask(self, group: int, num_q: int, num_k: int) -> Tensor | None:
+        """``[W, 1, group * num_q, num_k]`` float, 0 where visible and -inf elsewhere; rows
+        folded as ``(g, i)``. None when every key is visible."""
+        if self.full:
+            return None
+        key = (group, num_q, num_k)
+        if key not in self._masks:
+            cols = torch.arange(num_k, device=self.key_len.device)
+            vis = (cols[None, None, :] < self.key_len[:, None, None]).expand(-1, num_q, -1)
+            if self.causal_offset is not None:
+                last = self.causal_offset[:, None] + torch.arange(num_q, device=cols.device)
+                vis = vis & (cols[None, None, :] <= last[:, :, None])
+            vis = vis[:, None].expand(-1, group, -1, -1).reshape(-1, 1, group * num_q, num_k)
+            self._masks[key] = torch.zeros(vis.shape, device=cols.device).masked_fill_(
+                ~vis, NEG_INF)
+        return self._masks[key]
+
+
+def merge(outs: list[Tensor], lses: list[Tensor]) -> Tensor:
+    """Exact merge of partial results over disjoint keys: ``outs`` ``[..., D]`` and ``lses``
+    ``[...]``, all fp32 and the same shape. Rows no partial saw come out 0."""
+    if len(outs) == 1:
+        return outs[0]
+    lse = torch.stack(lses)  # [C, ...]
+    m = lse.amax(dim=0)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w = torch.exp(lse - m)  # [C, ...]; 0 for partials that saw no key
+    acc = (torch.stack(outs) * w.unsqueeze(-1)).sum(dim=0)
+    return acc / w.sum(dim=0).clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+
+
+class WaveAttention(ABC):
+    """The query positions of one bucket of requests (``q`` ``[R, P, H, D]``, padded) over any
+    number of waves of keys, in any order."""
+
+    def __init__(self, q: Tensor, num_kv_heads: int, scale: float) -> None:
+        self.num_rows, self.num_q, self.num_heads, self.head_dim = q.shape
+        self.num_kv_heads, self.scale = num_kv_heads, scale
+        self.group = gqa_group(self.num_heads, num_kv_heads)
+        self.out_dtype = q.dtype
+        self.outs: list[Tensor] = []
+        self.lses: list[Tensor] = []
+
+    @abstractmethod
+    def add(self, k: Tensor, v: Tensor, shape: WaveShape) -> None:
+        """One wave: ``k``, ``v`` ``[W, N, num_kv_heads, head_dim]`` (request w's keys first,
+        padding after); ``shape`` says whose they are and which are visible."""
+
+    @abstractmethod
+    def result(self) -> Tensor:  # [R, P, H, D] in q's dtype
+        """The merged attention of every wave added."""
+
+    def _keep(self, out: Tensor, lse: Tensor, index: Tensor | None) -> None:
+        """Store a partial, spread over all R rows when the wave served a subset."""
+        if index is not None:
+            out = out.new_zeros((self.num_rows, *out.shape[1:])).index_copy_(0, index, out)
+            lse = lse.new_full((self.num_rows, *lse.shape[1:]), NEG_INF).index_copy_(
+                0, index, lse)
+        self.outs.append(out)
+        self.lses.append(lse)
+
+
+ATTENTION: Registry[type[WaveAttention]] = Registry("attention backend")
+
+
+@ATTENTION.register("torch")
+class TorchWaves(WaveAttention):
+    """Queries folded once per layer into GQA rows ``[R, kv, group * P, D]`` (fp32, so K/V are
+    never repeated); one fused flash call per wave on the CPU, else matmuls and a softmax."""
+
+    def __init__(self, q: Tensor, num_kv_heads: int, scale: float) -> None:
+        super().__init__(q, num_kv_heads, scale)
+        r, p, _, d = q.shape
+        qf = q.float().view(r, p, num_kv_heads, self.group, d).permute(0, 2, 3, 1, 4)
+        self.q = qf.reshape(r, num_kv_heads, self.group * p, d)  # rows (g, i)
+
+    def add(self, k: Tensor, v: Tensor, shape: WaveShape) -> None:
+        q = self.q if shape.index is None else self.q.index_select(0, shape.index)
+        kt = k.float().permute(0, 2, 1, 3)  # [W, kv, N, D]
+        vt = v.float().permute(0, 2, 1, 3)
+        mask = shape.folded_mask(self.group, self.num_q, k.shape[1])
+        if _CPU_FLASH is not None and q.device.type == "cpu":
+            out, lse = _CPU_FLASH(q, kt, vt, 0.0, False, attn_mask=mask, scale=self.scale)
+        else:
+            s = torch.matmul(q, kt.transpose(-1, -2)).mul_(self.scale)  # [W, kv, rows, N]
+            if mask is not None:
+                s = s.add_(mask)
+            lse = torch.logsumexp(s, dim=-1)
+            finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+            out = torch.matmul(torch.exp(s - finite.unsqueeze(-1)), vt)
+        self._keep(out, lse, shape.index)
+
+    def result(self) -> Tensor:
+        out = merge(self.outs, self.lses)  # [R, kv, group * P, D]
+        r, kv, g, p, d = self.num_rows, self.num_kv_heads, self.group, self.num_q, self.head_dim
+        return out.view(r, kv, g, p, d).permute(0, 3, 1, 2, 4).reshape(
+            r, p, kv * g, d).to(self.out_dtype)
+
+
+@ATTENTION.register("triton")
+class TritonWaves(WaveAttention):
+    """One ``wave_attention_triton`` launch per wave; lengths and offsets stay on the device."""
+
+    def __init__(self, q: Tensor, num_kv_heads: int, scale: float) -> None:
+        super().__init__(q, num_kv_heads, scale)
+        self.q = q
+
+    def add(self, k: Tensor, v: Tensor, shape: WaveShape) -> None:
+        q = self.q if shape.index is None else self.q.index_select(0, shape.index)
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        out, lse = wave_attention_triton(q, k, v, self.scale, shape.key_len, shape.causal_offset)
+        self._keep(out, lse, shape.index)
+
+    def result(self) -> Tensor:
+        return merge(self.outs, self.lses).to(self.out_dtype)
+
+
+def resolve_backend(name: str, device: str) -> str:
+    """``auto``: Triton on CUDA when it is importable, torch otherwise. An explicit ``triton``
+    without Triton is an error (on the CPU it runs under ``TRITON_INTERPRET=1``)."""
+    if name == "auto":
+        return "triton" if device.startswith("cuda") and triton_available() else "torch"
+    if name == "triton" and not triton_available():
+        raise ValueError(
+            "attention_backend='triton' needs Triton: pip install 'specstream[triton]'")
+    ATTENTION.get(name)  # raises with the known names
+    return name
