@@ -64,6 +64,10 @@ def _row_tensor(x: RowParam, n: int, dtype: torch.dtype, device: torch.device) -
     return t.expand(n) if t.dim() == 0 else t
 
 
+def _as_list(x: RowParam, n: int) -> list[float]:
+    return [float(x)] * n if isinstance(x, (int, float)) else [float(v) for v in x]
+
+
 def logits_to_probs(
     logits: Tensor,  # [N, V] any float dtype
     temperature: RowParam,  # [N] or scalar
@@ -87,7 +91,16 @@ def logits_to_probs(
 
     use_k = k > 0
     use_p = p < 1
-    if bool((use_k | use_p).any()):
+    # Whether any row filters or is greedy: from the host values when given as numbers (no
+    # device sync), else from the tensors.
+    host = not any(isinstance(x, Tensor) for x in (temperature, top_k, top_p))
+    if host:
+        rows = [_as_list(x, n) for x in (temperature, top_k, top_p)]
+        filters = any(kk > 0 or pp < 1 for kk, pp in zip(rows[1], rows[2]))
+        any_greedy = any(t == 0 for t in rows[0])
+    else:
+        filters, any_greedy = bool((use_k | use_p).any()), bool(greedy.any())
+    if filters:
         # Stable sort: among equal logits the lower token id ranks first, as in argmax.
         sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
         rank = torch.arange(vocab, device=dev)
@@ -102,7 +115,7 @@ def logits_to_probs(
         x = torch.empty_like(x).scatter_(-1, order, sorted_x)
 
     probs = x.softmax(dim=-1)
-    if bool(greedy.any()):
+    if any_greedy:
         one_hot = torch.zeros_like(probs)
         one_hot.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)

@@ -9,6 +9,13 @@ after their verification (``run_now``).
 - ``gaps``: draft steps run while verification waits for history still crossing the link
   (``engine/overlap.py`` decides which gaps are long enough); the rest after verification.
 - ``parallel``: on a second worker standing for a second device, concurrently with verification.
+- ``draft-stream`` (``gaps`` on CUDA): every draft step is enqueued at once on the backend's
+  low-priority draft stream, before the round's kernels; the GPU's scheduler runs them in the
+  gaps verification leaves, the host never polls a copy or times a gap. Draft steps do not read
+  tensor values back (``spec/draft.py``), so enqueueing them costs no sync; the drafts come
+  back with the round's one read-back (``backends.sync_point``).
+
+Reading a job's drafts back (``result``) is a host sync, marked with ``sync_point``.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from specstream.backends.base import TransferBackend, sync_point
 from specstream.engine.history import Gap
 from specstream.engine.overlap import GapFiller
 from specstream.engine.trace import Tracer
@@ -27,8 +35,8 @@ from specstream.spec.proposer import ProposeJob
 
 
 class Drafting(ABC):
-    def __init__(self, tracer: Tracer) -> None:
-        self.tracer = tracer
+    def __init__(self, tracer: Tracer, backend: TransferBackend | None = None) -> None:
+        self.tracer, self.backend = tracer, backend
         # What the round may run while it waits for a piece of history still in flight.
         self.gap: Gap | None = None
 
@@ -45,11 +53,18 @@ class Drafting(ABC):
 
     def run_now(self, job: ProposeJob) -> None:
         """Run ``job`` to the end now, on the draft's device."""
-        with self.tracer.span("draft", "draft (sequential)"):
+        with self.tracer.span("draft", "draft (sequential)"), sync_point():
             job.result()
 
 
 DRAFTING: Registry[type[Drafting]] = Registry("drafting strategy")
+
+
+def drafting_for(mode_drafting: str, device: str) -> str:
+    """The strategy that implements a mode's drafting on ``device``: on CUDA the link's gaps
+    are filled by the GPU's stream scheduler, not by the host."""
+    return "draft-stream" if mode_drafting == "gaps" and device.startswith("cuda") else (
+        mode_drafting)
 
 
 @DRAFTING.register("sequential")
@@ -77,6 +92,26 @@ class InGaps(Drafting):
 
     def abort(self) -> None:
         self.filler, self.gap = None, None
+
+
+@DRAFTING.register("draft-stream")
+class OnDraftStream(Drafting):
+    def begin(self, job: ProposeJob | None) -> None:
+        self.job, self.stream = job, None
+        if job is None:
+            return
+        streams = getattr(self.backend, "draft_stream", None)
+        assert streams is not None, "draft-stream drafting needs the CUDA backend"
+        t0 = time.perf_counter()
+        with streams() as stream, torch.no_grad():
+            while job.step():  # enqueued, not run: nothing here waits for the device
+                pass
+        self.stream, self.enqueue_s = stream, time.perf_counter() - t0
+
+    def end(self) -> float:
+        if self.stream is not None:
+            self.backend.join(self.stream)  # type: ignore[union-attr]
+        return 0.0 if self.job is None else self.enqueue_s
 
 
 @DRAFTING.register("parallel")
@@ -110,7 +145,7 @@ class _DraftThread:
         try:
             torch.set_num_threads(1)
             t0 = time.perf_counter()
-            with torch.no_grad():
+            with torch.no_grad(), sync_point():
                 self.job.result()
             self.draft_s = time.perf_counter() - t0
             self.tracer.add("draft", "draft (second device)", t0, t0 + self.draft_s)

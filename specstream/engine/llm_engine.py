@@ -14,7 +14,7 @@ import torch
 from specstream.attention.waves import ATTENTION, resolve_backend
 from specstream.backends import limit_compute_threads, make_backend
 from specstream.config import EngineConfig
-from specstream.engine.drafting import DRAFTING
+from specstream.engine.drafting import DRAFTING, drafting_for
 from specstream.engine.history import make_source
 from specstream.engine.layout import RuntimeLayout
 from specstream.engine.request import CompletionOutput, Request, RequestError, RequestOutput
@@ -85,7 +85,9 @@ class LLMEngine:
         self.proposer = self._make_proposer() if config.speculative else None
         attention = ATTENTION.get(resolve_backend(config.attention_backend, device))
         self.worker = Worker(self.model, self.store, self.backend, self.history, self.proposer,
-                             DRAFTING.get(mode.drafting)(self.tracer), attention, self.tracer)
+                             DRAFTING.get(drafting_for(mode.drafting, device))(
+                                 self.tracer, self.backend),
+                             attention, self.tracer)
         self._ids = itertools.count()
         self.stats = EngineStats(accepted_per_pos=[0] * max(1, config.q))
         # The newest decode steps, and steps that only prefilled (bounded: a server runs for

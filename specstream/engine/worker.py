@@ -13,7 +13,12 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from specstream.attention.waves import WaveAttention
-from specstream.backends.base import TransferBackend, TransferError, TransferHandle
+from specstream.backends.base import (
+    TransferBackend,
+    TransferError,
+    TransferHandle,
+    sync_point,
+)
 from specstream.engine.drafting import Drafting
 from specstream.engine.history import HistorySource
 from specstream.engine.request import RequestError
@@ -24,7 +29,7 @@ from specstream.kvcache.storage import KVStore
 from specstream.models.decoder import CausalLM
 from specstream.sampling import make_generator
 from specstream.sampling_params import SamplingParams
-from specstream.spec.acceptance import accept_drafts
+from specstream.spec.acceptance import accept_drafts_on_device
 from specstream.spec.proposer import ProposeJob, Proposer, ProposeRequest
 
 
@@ -139,7 +144,9 @@ class Worker:
         """Keep a finished job's drafts: ids for the scheduler, probabilities here."""
         if job is None:
             return
-        for r, prop in zip(job.requests, job.result()):
+        with sync_point():  # the drafts come back
+            proposals = job.result()
+        for r, prop in zip(job.requests, proposals):
             out.drafts[r.request_id] = list(prop.token_ids)
             self.draft_probs[r.request_id] = prop.probs
 
@@ -171,28 +178,33 @@ class Worker:
             index[b, :n] = torch.arange(hi - n, hi)
             index[b, n:] = hi - 1  # padding rows, never read past num_drafts
         logits = self.model.compute_logits(hidden[index.view(-1).to(self.device)])
-        logits = logits.view(len(sampled), q + 1, -1)
+        logits = logits.view(len(sampled), q + 1, -1)  # stays on the device
         seqs = [plan.seqs[i] for i in sampled]
         drafts = torch.zeros(len(sampled), q, dtype=torch.long)
         for b, s in enumerate(seqs):
             if s.num_drafts:
                 tail = s.token_ids[len(s.token_ids) - s.num_drafts :]
                 drafts[b, : s.num_drafts] = torch.tensor(tail, dtype=torch.long)
+        drafts = drafts.to(self.device)
         probs = [self.draft_probs.get(s.request_id) if s.num_drafts else None for s in seqs]
         draft_probs = None
         if any(p is not None for p in probs):
             vocab = logits.shape[-1]
-            draft_probs = torch.zeros(len(seqs), q, vocab, dtype=torch.float32)
+            draft_probs = torch.zeros(len(seqs), q, vocab, dtype=torch.float32,
+                                      device=self.device)
             for b, (s, p) in enumerate(zip(seqs, probs)):
                 if p is not None:
-                    draft_probs[b, : s.num_drafts] = p[: s.num_drafts].float().cpu()
+                    draft_probs[b, : s.num_drafts] = p[: s.num_drafts].float()
                 elif s.num_drafts:  # point-mass drafts in a mixed batch
                     draft_probs[b].scatter_(1, drafts[b].view(-1, 1), 1.0)
-        result = accept_drafts(
-            logits.cpu(), drafts, [s.num_drafts for s in seqs], draft_probs,
+        num_accepted, tokens = accept_drafts_on_device(
+            logits, drafts, [s.num_drafts for s in seqs], draft_probs,
             [s.params for s in seqs], [self._generator(s.request_id, s.params) for s in seqs],
         )
-        for s, toks in zip(seqs, result.output_tokens):
+        with sync_point():  # the round's tokens come back: one small copy
+            back: list[list[int]] = torch.cat([num_accepted[:, None], tokens], dim=1).tolist()
+        for s, r in zip(seqs, back):
+            toks = r[1 : 2 + r[0]]
             out.new_tokens[s.request_id] = toks
             if self.proposer is not None:  # the draft forgets what the target rejected
                 self.proposer.rollback(s.request_id, s.start_pos + len(s.token_ids)

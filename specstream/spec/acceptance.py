@@ -76,19 +76,57 @@ def accept_drafts(
     Randomness: a row with a generator draws exactly num_drafts[b] uniforms, then V exponentials
     (see ``sampling.sample``), so a seeded request's output does not depend on its batch.
     """
+    num_accepted, tokens = accept_drafts_on_device(
+        target_logits, draft_tokens, num_drafts, draft_probs, params, generators)
+    rows = torch.cat([num_accepted[:, None], tokens], dim=1).tolist()  # the one sync
+    out = [r[1 : 1 + r[0]] + [r[1 + r[0]]] for r in rows]
+    return AcceptOutput(num_accepted=torch.tensor([r[0] for r in rows]), output_tokens=out)
+
+
+def accept_drafts_on_device(
+    target_logits: Tensor,  # [B, Q+1, V]
+    draft_tokens: Tensor,  # [B, Q] int64, padded past num_drafts[b] (any value)
+    num_drafts: Tensor | Sequence[int],  # [B], 0 <= num_drafts[b] <= Q
+    draft_probs: Tensor | None,  # [B, Q, V] or None (point-mass drafts)
+    params: Sequence[SamplingParams] | SamplingTensors,  # one per row
+    generators: Sequence[torch.Generator | None] | None = None,
+) -> tuple[Tensor, Tensor]:  # num_accepted [B] int64, tokens [B, Q+1] int64, on the device
+    """``accept_drafts`` without reading anything back: request b's tokens are
+    ``tokens[b, :num_accepted[b] + 1]`` (accepted drafts, then the recovered or bonus token).
+
+    Nothing here waits for the device when ``num_drafts`` is a host sequence (or CPU tensor) and
+    ``params`` are SamplingParams: lengths, greedy rows and filters are known on the host.
+    """
     bsz, q_plus_1, vocab = target_logits.shape
     q = q_plus_1 - 1
     dev = target_logits.device
     if draft_tokens.shape != (bsz, q):
         raise ValueError(f"draft_tokens shape {tuple(draft_tokens.shape)} != {(bsz, q)}")
-    n_drafts = torch.as_tensor(num_drafts, dtype=torch.int64, device=dev)
-    if n_drafts.shape != (bsz,) or bool(((n_drafts < 0) | (n_drafts > q)).any()):
-        raise ValueError(f"num_drafts must be [B] ints in [0, {q}], got {n_drafts.tolist()}")
-    st = params if isinstance(params, SamplingTensors) else SamplingTensors.from_params(params, dev)
-    greedy = st.greedy  # [B]
+    counts = (num_drafts.tolist() if isinstance(num_drafts, Tensor) and not num_drafts.is_cuda
+              else num_drafts)
+    if isinstance(counts, Tensor):  # a device tensor: validating it costs a sync
+        counts = counts.tolist()
+    counts = [int(c) for c in counts]
+    if len(counts) != bsz or any(not 0 <= c <= q for c in counts):
+        raise ValueError(f"num_drafts must be [B] ints in [0, {q}], got {counts}")
+    n_drafts = torch.tensor(counts, dtype=torch.int64, device=dev)
+    temp: Tensor | list[float]
+    top_k: Tensor | list[int]
+    top_p: Tensor | list[float]
+    if isinstance(params, SamplingTensors):
+        st = params
+        greedy_rows = st.greedy.tolist()  # tensors given: reading them costs a sync
+        temp, top_k, top_p = (st.temperature.repeat_interleave(q_plus_1),
+                              st.top_k.repeat_interleave(q_plus_1),
+                              st.top_p.repeat_interleave(q_plus_1))
+    else:
+        greedy_rows = [p.temperature == 0 or p.top_k == 1 for p in params]
+        temp = [p.temperature for p in params for _ in range(q_plus_1)]
+        top_k = [p.top_k for p in params for _ in range(q_plus_1)]
+        top_p = [p.top_p for p in params for _ in range(q_plus_1)]
+    greedy = torch.tensor(greedy_rows, dtype=torch.bool, device=dev)  # [B]
 
-    pos = st.repeat_interleave(q_plus_1)
-    p = logits_to_probs(target_logits.reshape(-1, vocab), pos.temperature, pos.top_k, pos.top_p)
+    p = logits_to_probs(target_logits.reshape(-1, vocab), temp, top_k, top_p)
     p = p.view(bsz, q_plus_1, vocab)  # [B, Q+1, V]
     rows = torch.arange(bsz, device=dev)
     valid = torch.arange(q, device=dev)[None, :] < n_drafts[:, None]  # [B, Q]
@@ -102,8 +140,8 @@ def accept_drafts(
     else:
         q_x = dprobs.gather(-1, drafts[..., None]).squeeze(-1)
     gens = list(generators) if generators is not None else [None] * bsz
-    gens = [None if g else gen for g, gen in zip(greedy.tolist(), gens, strict=True)]
-    u = uniform(n_drafts.tolist(), q, gens, dev)
+    gens = [None if g else gen for g, gen in zip(greedy_rows, gens, strict=True)]
+    u = uniform(counts, q, gens, dev)
     ok = torch.where(greedy[:, None], drafts == p[:, :q].argmax(-1), _accept_mask(u, p_x, q_x))
     ok &= valid
     num_accepted = ok.long().cumprod(dim=-1).sum(dim=-1)  # [B] length of the accepted prefix
@@ -124,10 +162,6 @@ def accept_drafts(
     else:
         dist = p_k
     extra = torch.where(greedy, p_k.argmax(-1), sample(dist, gens))  # [B]
-
-    num_accepted_cpu = num_accepted.cpu()
-    drafts_cpu = drafts.cpu().tolist()
-    extra_cpu = extra.cpu().tolist()
-    counts = num_accepted_cpu.tolist()
-    out = [d[:n] + [e] for d, n, e in zip(drafts_cpu, counts, extra_cpu, strict=True)]
-    return AcceptOutput(num_accepted=num_accepted_cpu, output_tokens=out)
+    tokens = torch.cat([drafts, drafts.new_zeros(bsz, 1)], dim=1)  # [B, Q+1]
+    tokens = tokens.scatter(1, num_accepted[:, None], extra[:, None])
+    return num_accepted, tokens
