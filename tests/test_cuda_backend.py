@@ -213,3 +213,19 @@ def test_many_is_one_transfer(cuda_backend: CudaBackend) -> None:
     backend.reset_stats()  # an in-flight transfer is still reported once it finished
     pending.host_wait()
     assert [r.tag for r in backend.busy_intervals()] == ["in flight"]
+
+
+def test_strided_copies_split_into_contiguous_pieces() -> None:
+    """A write-back of one block gathers it from every layer of both tiers (strided on both
+    sides); the CUDA backend copies it as contiguous pieces, which together are the block."""
+    from specstream.backends.cuda import _contiguous
+
+    host = torch.zeros(3, 2, 5, 4, 2, 8)  # [layers, K/V, blocks, bs, kv, D]
+    device = torch.randn(3, 2, 6, 4, 2, 8)
+    pieces = _contiguous(host[:, :, 1], device[:, :, 4])
+    assert len(pieces) == 3 * 2
+    assert all(d.is_contiguous() and s.is_contiguous() for d, s in pieces)
+    for d, s in pieces:
+        d.copy_(s)
+    assert torch.equal(host[:, :, 1], device[:, :, 4])
+    assert len(_contiguous(host[0, 0, :2], device[0, 0, :2])) == 1  # a contiguous run: one

@@ -160,7 +160,7 @@ def test_layer_restore_into_lent_pool_blocks_returns_every_layer_exactly():
                 assert len(pieces) > 1  # scattered slots, or across planes: several pieces
                 k = torch.cat([p[0] for p in pieces])
                 v = torch.cat([p[1] for p in pieces])
-                want = store.host[list(h), layer]  # [blocks, 2, bs, kv, D]
+                want = store.host_rows(layer)[list(h)]  # [blocks, 2, bs, kv, D]
                 assert torch.equal(k, want[:, 0].reshape(-1, 2, 8))
                 assert torch.equal(v, want[:, 1].reshape(-1, 2, 8))
         source.end()

@@ -270,3 +270,28 @@ def test_h2d_gather_matches_indexing_and_the_per_row_default(cpu: TransferBacken
         gather(dst.transpose(0, 1), table, index, "g").wait()
         assert torch.equal(dst.transpose(0, 1)[:4], want)
         assert torch.equal(dst[:, 4:], torch.zeros(2, 2, 4, 3))
+
+
+def test_h2d_gather_into_chosen_rows_coalesces_runs(cpu: TransferBackend) -> None:
+    """A chunk wave: host rows into chosen staging rows (``rows=``). The CPU gather and the base
+    class's copies (one per run of consecutive rows and per plane: 3 runs x 2 planes here) give
+    the bytes plain indexing gives, and rows not named stay untouched."""
+    table = torch.randn(12, 2, 4, 3)
+    index, rows = [3, 4, 5, 9, 10, 0], [0, 1, 2, 4, 5, 6]
+    counted: list[int] = []
+    real_many = cpu.h2d_many
+
+    def many(pairs, tag=None, *, after_compute=True):  # type: ignore[no-untyped-def]
+        counted.append(len(pairs))
+        return real_many(pairs, tag, after_compute=after_compute)
+
+    for gather in (cpu.h2d_gather, partial(TransferBackend.h2d_gather, cpu)):
+        dst = torch.zeros(2, 8, 4, 3)
+        cpu.h2d_many = many  # type: ignore[method-assign]
+        gather(dst.transpose(0, 1), table, torch.tensor(index), "w",
+               rows=torch.tensor(rows)).wait()
+        cpu.h2d_many = real_many  # type: ignore[method-assign]
+        view = dst.transpose(0, 1)
+        assert torch.equal(view[rows], table[index])
+        assert torch.equal(view[[3, 7]], torch.zeros(2, 2, 4, 3))
+    assert counted == [6]  # only the base class goes through h2d_many: 3 runs x 2 planes

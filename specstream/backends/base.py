@@ -158,13 +158,25 @@ class TransferBackend(ABC):
         """``dst[rows[j]] = src[index[j]]`` for every j (rows of dim 0; ``rows`` None: j) as
         one transfer.
 
-        The default splits each row over ``src``'s second dimension into contiguous copies for
-        ``h2d_many``; a backend whose copy engine can gather (the CPU emulation) overrides it.
+        The default copies runs of consecutive source rows that land in consecutive
+        destination rows, one copy per run and per index of the second dimension (a K/V plane:
+        contiguous on both sides in the KV tiers' layout), through ``h2d_many``; a backend
+        whose copy engine can gather (the CPU emulation) overrides it. ``index`` and ``rows``
+        are host values (a CPU tensor is read without a device sync).
         """
-        index = index.tolist() if isinstance(index, Tensor) else index
+        index = index.tolist() if isinstance(index, Tensor) else list(index)
         rows = list(range(len(index))) if rows is None else (
-            rows.tolist() if isinstance(rows, Tensor) else rows)
-        pairs = [(dst[j, k], src[i, k]) for j, i in zip(rows, index) for k in range(src.shape[1])]
+            rows.tolist() if isinstance(rows, Tensor) else list(rows))
+        pairs = []
+        t = 0
+        while t < len(index):
+            n = 1
+            while (t + n < len(index) and index[t + n] == index[t] + n
+                   and rows[t + n] == rows[t] + n):
+                n += 1
+            i, j = index[t], rows[t]
+            pairs += [(dst[j : j + n, k], src[i : i + n, k]) for k in range(src.shape[1])]
+            t += n
         return self.h2d_many(pairs, tag, after_compute=after_compute)
 
     def d2h_many(

@@ -57,6 +57,16 @@ from specstream.backends.base import (
 )
 
 
+def _contiguous(dst: Tensor, src: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """A host<->device copy as copies of contiguous pieces (split along leading dimensions):
+    torch would otherwise stage a strided copy through a temporary, on the host synchronously."""
+    if dst.is_contiguous() and src.is_contiguous():
+        return [(dst, src)]
+    if dst.is_cuda and src.is_cuda or dst.dim() == 0:
+        return [(dst, src)]
+    return [p for a, b in zip(dst.unbind(0), src.unbind(0)) for p in _contiguous(a, b)]
+
+
 @dataclass(eq=False)
 class CudaHandle(TransferHandle):
     """Completion of one copy: its end event, plus references that keep the tensors alive."""
@@ -180,6 +190,7 @@ class CudaBackend(TransferBackend):
             stream.wait_stream(torch.cuda.current_stream(self._device))
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
+        pairs = [piece for pair in pairs for piece in _contiguous(*pair)]
         with torch.cuda.stream(stream):
             start.record(stream)
             for dst, src in pairs:

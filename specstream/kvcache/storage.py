@@ -1,10 +1,11 @@
 """KV tensors of both tiers.
 
-Device pool, layer-major: ``[num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]``,
-so a request's consecutive blocks of one layer are one contiguous view (attention reads them
-without a copy). Host pool, block-major: ``[num_blocks, num_layers, 2, block_size, kv_heads,
-head_dim]``, so a write-back moves one block of all layers as one contiguous destination and a
-restore reads one block of one layer as one contiguous source.
+Both tiers are layer-major: ``[num_layers, 2 (K, V), num_blocks, block_size, kv_heads,
+head_dim]``. On the device a request's consecutive blocks of one layer are one contiguous view
+(attention reads them without a copy). On the host a run of consecutive blocks of one layer is
+one contiguous source per K/V plane, so restoring a chunk (the hot path: every round, every
+layer) is two copies per run of blocks on a DMA engine, not two per block; a write-back (once
+per block) gathers its block's layers, which a backend may split into contiguous copies.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class KVStore:
         self.device = backend.alloc_device((cfg.num_layers, 2, num_device_blocks, *tok),
                                            dtype).zero_()
         self.host = (
-            backend.alloc_host((num_host_blocks, cfg.num_layers, 2, *tok), dtype)
+            backend.alloc_host((cfg.num_layers, 2, num_host_blocks, *tok), dtype)
             if num_host_blocks else None
         )
 
@@ -74,7 +75,7 @@ class KVStore:
     def writeback(self, pairs: list[tuple[int, int]], tag: object) -> list[TransferHandle]:
         """Device-to-host copies of whole blocks (all layers), low priority, one transfer."""
         assert self.host is not None, "write-back without a host tier"
-        copies = [(self.host[h], self.device[:, :, d]) for d, h in pairs]
+        copies = [(self.host[:, :, h], self.device[:, :, d]) for d, h in pairs]
         return [self.backend.d2h_many(copies, tag)]
 
     def restore(
@@ -86,7 +87,13 @@ class KVStore:
         """
         assert self.host is not None, "restore without a host tier"
         rows = dst.transpose(0, 1)  # [blocks, 2, block_size, kv, D]: a view of dst
-        return [self.backend.h2d_gather(rows, self.host[:, layer], list(host_blocks), tag)]
+        return [self.backend.h2d_gather(rows, self.host_rows(layer), list(host_blocks), tag)]
+
+    def host_rows(self, layer: int) -> torch.Tensor:
+        """The host tier of one layer as rows of blocks, ``[num_blocks, 2, block_size,
+        num_kv_heads, head_dim]`` (a view)."""
+        assert self.host is not None, "no host tier"
+        return self.host[layer].transpose(0, 1)
 
     def restore_rows(
         self, layer: int, host_blocks: torch.Tensor, dst: torch.Tensor, tag: object,
@@ -98,5 +105,5 @@ class KVStore:
         dst: [2, blocks, block_size, num_kv_heads, head_dim]
         """
         assert self.host is not None, "restore without a host tier"
-        return self.backend.h2d_gather(dst.transpose(0, 1), self.host[:, layer], host_blocks,
+        return self.backend.h2d_gather(dst.transpose(0, 1), self.host_rows(layer), host_blocks,
                                        tag, rows=rows)
