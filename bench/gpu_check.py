@@ -4,13 +4,15 @@ Each step merges its section into one JSON file (`--out`) as soon as it has some
 step killed by its time limit leaves what it measured:
 
 - `env`: versions and device;
-- `bandwidth`: pinned host-to-device (and device-to-host) bandwidth of torch copies, plus the
-  transfer backend's `h2d` at the engine's copy sizes (per-copy issue cost included);
+- `bandwidth`: pinned host-to-device (and device-to-host) bandwidth of large torch copies, timed
+  with CUDA events (one copy at a time, and back to back), plus the transfer backend's `h2d` at
+  the engine's copy sizes (per-copy issue cost included);
 - `exactness`: streamed attention (torch path and Triton kernel) vs full attention, fp32 and bf16;
 - `modes`: greedy token ids of every engine mode in fp32 (they must be identical);
 - `mechanics`: an 8B-shaped Qwen3 target (random bf16 weights) and a 0.6B-shaped draft at 16K-32K
   contexts under a device KV budget that forces offloading: decode throughput per mode, link GB/s
-  and utilisation during decode, and round time over its floor;
+  and utilisation during decode, and round time over its floor, each mode with the engine's own
+  attention (`attention_backend`: Triton, and `specstream+torch` for comparison);
 - `summary`: a table of everything, and the pass/fail of the issue's targets.
 
 The steps live in `bench/gpu_check_steps/` (`device.py`: env and bandwidth; `exactness.py`;
@@ -51,9 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--file", type=Path, default=None, help="attach: the JSON file to store")
     p.add_argument("--budget-s", type=float, default=200.0, help="mechanics: time for all modes")
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/specstream-gpu-check"))
-    p.add_argument("--modes", help="mechanics: modes in run order (resident-ar: no speculation)",
-                   default="specstream,resident,offload-spec,offload,resident-ar,stream,"
-                           "specstream+triton")
+    p.add_argument("--modes", default="specstream,resident,offload,specstream+torch,"
+                                      "offload-spec,resident-ar,stream",
+                   help="mechanics: modes in run order (resident-ar: no speculation; a +torch "
+                        "or +triton suffix: that attention backend for this mode)")
+    p.add_argument("--attention-backend", default="triton", choices=["auto", "torch", "triton"],
+                   help="mechanics: the engine's attention_backend for modes without a suffix")
     args = p.parse_args(argv)
     if args.step == "summary":
         return print_summary(args.out)

@@ -19,11 +19,15 @@ WORK=${GPU_CHECK_WORK:-/tmp/specstream-gpu-check}
 if [[ "${1:-}" == "--dry-run" ]]; then
   DEVICE=cpu; EXTRA=(--tiny); DIR=${GPU_CHECK_OUT:-$WORK/dry-run}
   BENCH_ARGS=(--device cpu --dtype float32 --modes resident,offload,specstream
-              --num-requests 2 --context-len 512 --output-len 8)
+              --num-requests 2 --context-len 512 --output-len 32)  # enough rounds for floors
+  # Triton's interpreter is slow: the torch path for every mode, the kernel for one
+  MECH_ARGS=(--attention-backend torch
+             --modes specstream,resident,offload,specstream+triton,offload-spec,resident-ar,stream)
   export TRITON_INTERPRET=1  # the Triton kernel, where Triton is installed, on the CPU
 else
   DEVICE=cuda; EXTRA=(); DIR=${GPU_CHECK_OUT:-bench/results}
   BENCH_ARGS=(--device cuda --dtype float32 --quick)
+  MECH_ARGS=(--attention-backend triton)  # and specstream+torch for comparison (the default)
 fi
 if [[ ! -f specstream/assets/default-draft/config.json ]]; then  # until the pair ships a draft
   BENCH_ARGS+=(--draft-model specstream/assets/default-target)
@@ -61,24 +65,36 @@ step env 30
 step bandwidth 45
 step exactness 60
 
-# the CUDA-marked tests (skipped where pytest is missing); on the dry run the same files on CPU
-limit=$(( $(left) - 330 )); (( limit > 75 )) && limit=75
-if (( limit < 10 )); then
-  echo "== pytest: skipped (out of time)" | tee -a "$LOG"
-elif "$PY" -c "import pytest" 2>/dev/null; then
-  echo "== pytest (limit ${limit}s)" | tee -a "$LOG"
-  timeout --kill-after=5 "$limit" "$PY" -m pytest -q -p no:cacheprovider \
-    tests/test_cuda_backend.py tests/test_triton_partial.py tests/test_transfer_backends.py \
-    >"$DIR/pytest.log" 2>&1
-  rc=$?
-  tail -n 3 "$DIR/pytest.log" | tee -a "$LOG"
-  printf '{"rc": %d, "summary": "%s"}\n' "$rc" "$(tail -n 1 "$DIR/pytest.log" | tr -d '"')" \
-    >"$DIR/pytest.json"
-  "$PY" bench/gpu_check.py attach pytest --out "$OUT" --file "$DIR/pytest.json" --rc "$rc" \
+# pytests NAME CAP RESERVE FILES...: pytest on FILES under `timeout` (at most CAP seconds, and
+# never into the last RESERVE seconds of the budget); skipped where pytest is missing
+pytests() {
+  local name=$1 cap=$2 reserve=$3; shift 3
+  local limit=$(( $(left) - reserve )); (( limit > cap )) && limit=$cap
+  if (( limit < 10 )); then
+    echo "== $name: skipped (out of time)" | tee -a "$LOG"
+    return
+  fi
+  if ! "$PY" -c "import pytest" 2>/dev/null; then
+    echo "== $name: pytest not installed, skipped" | tee -a "$LOG"
+    return
+  fi
+  echo "== $name (limit ${limit}s)" | tee -a "$LOG"
+  timeout --kill-after=5 "$limit" "$PY" -m pytest -q -p no:cacheprovider "$@" \
+    >"$DIR/$name.log" 2>&1
+  local rc=$?
+  tail -n 3 "$DIR/$name.log" | tee -a "$LOG"
+  printf '{"rc": %d, "summary": "%s"}\n' "$rc" "$(tail -n 1 "$DIR/$name.log" | tr -d '"')" \
+    >"$DIR/$name.json"
+  "$PY" bench/gpu_check.py attach "$name" --out "$OUT" --file "$DIR/$name.json" --rc "$rc" \
     >>"$LOG" 2>&1
-else
-  echo "== pytest: not installed, skipped" | tee -a "$LOG"
-fi
+}
+
+# the CUDA-marked tests; on the dry run the same files on CPU (their CUDA tests skipped). The
+# engine's own (every mode = resident on CUDA with both attention backends, decode rounds under
+# the sync debug mode) apart, so a slow or hung one cannot cost the others their results.
+pytests pytest 75 360 tests/test_cuda_backend.py tests/test_triton_partial.py \
+  tests/test_triton_wave.py tests/test_transfer_backends.py
+pytests pytest_engine 60 300 tests/test_cuda_engine.py
 
 step modes 60
 
@@ -97,7 +113,7 @@ fi
 
 # the 8B-shaped mechanics get what is left (the step itself stops adding modes in time)
 mech=$(( $(left) - 25 ))
-step mechanics "$mech" --budget-s $(( mech - 15 ))
+step mechanics "$mech" --budget-s $(( mech - 15 )) "${MECH_ARGS[@]}"
 
 "$PY" bench/gpu_check.py summary --out "$OUT" 2>&1 | tee -a "$LOG"
 echo "gpu_check: done in $(( $(date +%s) - START ))s; results in $OUT, log in $LOG" | tee -a "$LOG"

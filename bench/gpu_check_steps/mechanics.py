@@ -1,6 +1,10 @@
 """`mechanics`: an 8B-shaped Qwen3 target (random bf16 weights) and a 0.6B-shaped draft at
 16K-32K contexts under a device KV budget that forces offloading: decode throughput per mode,
-link GB/s and utilisation during decode, and round time over its floor."""
+link GB/s and utilisation during decode, and round time over its floor.
+
+Each mode runs the engine's own attention path: ``attention_backend`` is an engine option,
+``--attention-backend`` for every mode, or a ``+torch`` / ``+triton`` suffix on one mode
+(``specstream+torch``: the same run with the torch path, for comparison)."""
 
 from __future__ import annotations
 
@@ -8,13 +12,11 @@ import argparse
 import json
 import time
 import traceback
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-
-from specstream.attention import AttentionAccumulator
-from specstream.attention import triton_partial as tp
 
 from .device import sync
 from .results import update
@@ -66,12 +68,13 @@ def _geometry(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, Any]
     """Block/chunk sizes, contexts and KV budgets: tails + staging fit, the history does not."""
     g: dict[str, Any] = (
         dict(block_size=16, chunk_tokens=64, offload_after_tokens=64, resident_tail_tokens=32,
-             max_prefill_tokens=128, contexts=[600, 300], decode_tokens=8, q=3)
+             max_prefill_tokens=128, contexts=[200, 100], decode_tokens=8, q=3)
         if args.tiny else
         dict(block_size=1024, chunk_tokens=4096, offload_after_tokens=2048,
              resident_tail_tokens=1024, max_prefill_tokens=2048,
              contexts=[32768, 16384, 32768, 16384], decode_tokens=32, q=4)
     )  # fmt: skip
+    g["wave_requests"] = len(g["contexts"])  # a chunk wave can serve every request
     layer_tok = 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2  # bf16 K+V, one layer
     tok = layer_tok * shape["num_hidden_layers"]
     bs, n = g["block_size"], len(g["contexts"])
@@ -79,7 +82,8 @@ def _geometry(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, Any]
                // bs) + 1
     blocks = n * steady + -(-g["max_prefill_tokens"] // bs) + 3
     hist = sum(g["contexts"]) + n * g["decode_tokens"]  # restore modes: the whole batch a step
-    g["stream_kv_bytes"] = blocks * bs * tok + 2 * g["chunk_tokens"] * layer_tok
+    ring = 2 * g["wave_requests"] * g["chunk_tokens"] * layer_tok  # 2 slots of one wave each
+    g["stream_kv_bytes"] = blocks * bs * tok + ring
     g["restore_kv_bytes"] = 2 * max(blocks * bs * tok, 2 * hist * layer_tok)
     total = sum(c + g["decode_tokens"] + bs for c in g["contexts"]) * tok
     g["resident_kv_bytes"] = int(1.2 * total) + blocks * bs * tok
@@ -89,41 +93,27 @@ def _geometry(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, Any]
     return g
 
 
-class _FusedChunks:
-    """The engine's `ChunkedAttention` interface with every chunk through the fused kernel
-    (`partial_attention_auto`: Triton for unmasked CUDA chunks) and merged by
-    `AttentionAccumulator`."""
-
-    def __init__(self, q: torch.Tensor, num_kv_heads: int, scale: float) -> None:
-        self.q, self.scale, self.acc = q, scale, AttentionAccumulator()
-
-    def add(self, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        self.acc.add(*tp.partial_attention_auto(self.q, k, v, self.scale, mask))
-
-    def result(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self.acc.result(dtype or self.q.dtype)
+def _parse(name: str, default_backend: str) -> tuple[str, str]:
+    """``"specstream+torch"`` -> ("specstream", "torch"); no suffix: the step's backend."""
+    mode, _, backend = name.partition("+")
+    return mode, backend or default_backend
 
 
-def _run_mode(mode: str, target: Path, draft: Path, g: dict[str, Any],
-              args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+def _run_mode(name: str, target: Path, draft: Path, g: dict[str, Any],
+              args: argparse.Namespace, deadline: float
+              ) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
     """Prefill every request, then time decode steps only (counter deltas over decode).
 
-    `resident-ar` is resident mode without speculation: the compute floor of offload/stream.
-    `<mode>+triton` runs the engine's chunk attention through the fused kernel (patched in for
-    this run only, until the engine dispatches to it itself).
+    ``name`` is ``<mode>[+<attention backend>]``: `resident-ar` is resident mode without
+    speculation (the compute floor of offload/stream); the suffix sets the engine's
+    ``attention_backend`` (default: ``--attention-backend``). Returns the mode's results, its
+    decode-phase round records and all of its step records (round and prefill-only).
     """
-    if mode.endswith("+triton"):
-        import specstream.engine.round as engine_attention  # the round builds the attention
-
-        saved = engine_attention.ChunkedAttention
-        engine_attention.ChunkedAttention = _FusedChunks  # type: ignore[assignment,misc]
-        try:
-            return _run_mode(mode.removesuffix("+triton"), target, draft, g, args, deadline)
-        finally:
-            engine_attention.ChunkedAttention = saved  # type: ignore[misc]
     from specstream import LLM, SamplingParams
+    from specstream.attention.waves import resolve_backend
     from specstream.config import MODES
 
+    mode, backend = _parse(name, args.attention_backend)
     engine_mode = mode.removesuffix("-ar")
     spec = MODES[engine_mode].speculative and not mode.endswith("-ar")
     history = MODES[engine_mode].history
@@ -132,10 +122,11 @@ def _run_mode(mode: str, target: Path, draft: Path, g: dict[str, Any],
     llm = LLM(str(target), draft_model=str(draft) if spec else None, mode=engine_mode,
               device=args.device, dtype="bfloat16", device_kv_bytes=budget,
               host_kv_bytes=g["host_kv_bytes"], block_size=g["block_size"],
-              chunk_tokens=g["chunk_tokens"], resident_tail_tokens=g["resident_tail_tokens"],
+              chunk_tokens=g["chunk_tokens"], wave_requests=g["wave_requests"],
+              resident_tail_tokens=g["resident_tail_tokens"],
               offload_after_tokens=g["offload_after_tokens"],
               max_prefill_tokens=g["max_prefill_tokens"], max_num_seqs=len(g["contexts"]),
-              num_speculative_tokens=g["q"] if spec else 0)
+              num_speculative_tokens=g["q"] if spec else 0, attention_backend=backend)
     eng = llm.engine
     gen = torch.Generator().manual_seed(1)
     vocab = eng.model_config.vocab_size
@@ -144,15 +135,17 @@ def _run_mode(mode: str, target: Path, draft: Path, g: dict[str, Any],
             for n in g["contexts"]]
     reqs = [eng.scheduler.requests[r] for r in rids]
     res: dict[str, Any] = {"kv_budget_gib": budget / 2**30, "two_groups":
-                           eng.scheduler.two_groups, "requests": len(rids)}
+                           eng.scheduler.two_groups, "requests": len(rids),
+                           "attention_backend": resolve_backend(backend, args.device)}
     t0 = time.perf_counter()
     while any(r.first_token_time is None and not r.finished for r in reqs):
         if time.perf_counter() > deadline:
-            raise TimeoutError(f"{mode}: prefill not finished before the deadline")
+            raise TimeoutError(f"{name}: prefill not finished before the deadline")
         eng.step()
     sync(args.device)
     res["prefill_s"] = time.perf_counter() - t0
     before = eng.get_metrics()
+    first_round = len(eng.rounds)
     t1 = time.perf_counter()
     while eng.has_unfinished() and time.perf_counter() < deadline:
         eng.step()
@@ -160,21 +153,64 @@ def _run_mode(mode: str, target: Path, draft: Path, g: dict[str, Any],
     decode_s = time.perf_counter() - t1
     res["complete"] = not eng.has_unfinished()
     m = eng.get_metrics()
+    decode_rounds = [asdict(r) for r in list(eng.rounds)[first_round:]]
+    steps = [asdict(r) for r in (*eng.rounds, *eng.prefill_steps)]
     llm.close()
     d = {k: m[k] - before[k] for k in ("steps", "generated_tokens", "link_bytes_h2d",
-                                       "link_busy_s", "compute_s", "draft_s")}
-    steps, h2d, busy = max(1, d["steps"]), d["link_bytes_h2d"], d["link_busy_s"]
+                                       "link_busy_s", "compute_s", "draft_s", "decode_time_s",
+                                       "decode_link_busy_s", "decode_link_floor_s")}
+    n, h2d, busy = max(1, d["steps"]), d["link_bytes_h2d"], d["link_busy_s"]
+    dt, floor = d["decode_time_s"], d["decode_link_floor_s"]
     res.update(
-        decode_s=decode_s, steps=steps, tokens=d["generated_tokens"],
-        tok_per_s=d["generated_tokens"] / decode_s, step_s=decode_s / steps, h2d_bytes=h2d,
-        h2d_per_step=h2d / steps, link_busy_s=busy, link_util=busy / decode_s,
+        decode_s=decode_s, steps=n, tokens=d["generated_tokens"],
+        tok_per_s=d["generated_tokens"] / decode_s, step_s=decode_s / n, h2d_bytes=h2d,
+        h2d_per_step=h2d / n, link_busy_s=busy, link_util=busy / decode_s,
         link_gbps_busy=h2d / busy / 1e9 if busy else 0.0, link_gbps_decode=h2d / decode_s / 1e9,
         engine_compute_s=d["compute_s"], engine_draft_s=d["draft_s"],
         engine_decode_time_over_link_floor=m["decode_time_over_link_floor"],
+        # the engine's own decode-round metrics (get_metrics keys), over the decode phase only:
+        # link busy over decode-round wall time, and that wall time over the rounds' bytes at
+        # the engine's measured link rate
+        link_utilization=d["decode_link_busy_s"] / dt if dt else 0.0,
+        decode_time_over_link_floor=dt / floor if floor else 0.0,
         acceptance_rate=m["acceptance_rate"], mean_accepted_len=m["mean_accepted_len"],
         device_kv_peak_gib=m["device_kv_peak_bytes"] / 2**30,
     )  # fmt: skip
-    return res
+    return res, decode_rounds, steps
+
+
+def _pinned_gbps(out: Path) -> float | None:
+    """The `bandwidth` step's pinned host-to-device rate (median GB/s), if it ran."""
+    try:
+        return float(json.loads(out.read_text())["bandwidth"]["h2d_gbps"]["median"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _add_round_floors(modes: dict[str, dict[str, Any]], rounds: dict[str, list[dict[str, Any]]],
+                      resident_steps: list[dict[str, Any]], pinned_gbps: float | None) -> None:
+    """``round_time_over_floor`` of every mode's decode rounds, as ``specstream/bench/floors.py``
+    defines it: a round's floor is max(its link bytes at the pinned rate (the engine's measured
+    rate without a `bandwidth` result), verify + draft predicted by a cost model fitted on the
+    `resident` steps of this run); the ratio is the rounds' wall time over their floors."""
+    from specstream.bench.floors import ComputeModel
+
+    try:
+        model = ComputeModel.fit(resident_steps)
+    except ValueError:  # too few resident steps
+        return
+    for name, rs in rounds.items():
+        if not rs:
+            continue
+        floor = 0.0
+        for r in rs:
+            link = r["link_bytes"] / (pinned_gbps * 1e9) if pinned_gbps else r["link_floor_s"]
+            floor += model.floor({**r, "link_floor_s": link}, parallel_draft=False)
+        modes[name].update(
+            round_floor_s=floor, floor_link_gbps=pinned_gbps,
+            round_time_over_floor=sum(r["wall_s"] for r in rs) / floor if floor else None,
+            compute_model_fit_error=model.fit_error,
+        )
 
 
 def run_mechanics(args: argparse.Namespace) -> dict[str, Any]:
@@ -193,20 +229,27 @@ def run_mechanics(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {"geometry": g, "tf32": True, "checkpoint_s":
                            time.perf_counter() - start, "modes": {}}
     update(args.out, "mechanics", {**res, "status": "partial"})
-    for mode in args.modes.split(","):
+    res["attention_backend"] = args.attention_backend
+    pinned = _pinned_gbps(args.out)
+    rounds: dict[str, list[dict[str, Any]]] = {}  # decode-phase rounds of each mode that ran
+    resident_steps: list[dict[str, Any]] = []  # every step of the first `resident` run
+    for name in args.modes.split(","):
         if time.perf_counter() > deadline - 10:
-            res["modes"][mode] = {"status": "skipped: out of time"}
+            res["modes"][name] = {"status": "skipped: out of time"}
             continue
         try:
-            res["modes"][mode] = {"status": "ok", **_run_mode(mode, target, draft, g, args,
-                                                              deadline)}
+            out, rounds[name], steps = _run_mode(name, target, draft, g, args, deadline)
+            res["modes"][name] = {"status": "ok", **out}
+            if not resident_steps and _parse(name, args.attention_backend)[0] == "resident":
+                resident_steps = steps
         except Exception as exc:  # one mode failing must not lose the others
             traceback.print_exc()
-            res["modes"][mode] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+            res["modes"][name] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+        if resident_steps:  # the floors of every mode so far (resident's model covers all)
+            _add_round_floors(res["modes"], rounds, resident_steps, pinned)
         update(args.out, "mechanics", {**res, "status": "partial"})
-        print(f"[mechanics] {mode}: {res['modes'][mode]}", flush=True)
+        print(f"[mechanics] {name}: {res['modes'][name]}", flush=True)
     return res
-

@@ -30,6 +30,9 @@ def step_modes(args: argparse.Namespace) -> dict[str, Any]:
     block_bytes = bs * cfg.num_layers * layer_tok
     ctx = sum(lens) + 64
     budget = 2 * 48 * block_bytes + 8 * ctx * layer_tok  # fits tails, staging and restores
+    # the whole history twice over, as a power of 2 (pinned memory on CUDA is allocated whole
+    # and rounded up anyway): not the 8 GiB default, pinned again for every mode
+    host_kv = 1 << (2 * ctx * cfg.num_layers * layer_tok).bit_length()
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     res: dict[str, Any] = {"target": str(target), "draft": str(draft), "prompt_lens": lens,
                            "token_ids": {}, "metrics": {}}
@@ -37,7 +40,8 @@ def step_modes(args: argparse.Namespace) -> dict[str, Any]:
         kv_bytes = budget if mode != "resident" else 4 * ctx * cfg.num_layers * layer_tok
         spec = MODES[mode].speculative  # offload and stream take no proposer
         llm = LLM(str(target), draft_model=str(draft) if spec else None, mode=mode,
-                  device=args.device, dtype="float32", device_kv_bytes=kv_bytes, block_size=bs,
+                  device=args.device, dtype="float32", device_kv_bytes=kv_bytes,
+                  host_kv_bytes=host_kv, block_size=bs,
                   chunk_tokens=chunk, resident_tail_tokens=tail, offload_after_tokens=after,
                   max_prefill_tokens=128, num_speculative_tokens=3 if spec else 0)
         try:

@@ -56,9 +56,18 @@ def targets(data: dict[str, Any]) -> dict[str, Any]:
         out["specstream_link_ge_85pct"] = ss["link_frac_of_pinned"] >= 0.85
         out["specstream_round_le_1.2x_floor"] = ss["over_floor"] is not None and (
             ss["over_floor"] <= 1.2)
+    if ss.get("round_time_over_floor") is not None:  # the floor of bench/floors.py
+        out["specstream_round_time_over_floor"] = ss["round_time_over_floor"]
+        out["specstream_link_utilization"] = ss["link_utilization"]
     base = modes.get("offload", {}).get("tok_per_s")
     if base and ss.get("tok_per_s"):
         out["specstream_over_offload"] = ss["tok_per_s"] / base
+    for name, m in modes.items():  # the same mode with the other attention backend
+        mode = name.split("+")[0]
+        plain = modes.get(mode, {})
+        if "+" in name and m.get("tok_per_s") and plain.get("tok_per_s"):
+            key = f"{mode}_{plain['attention_backend']}_over_{m['attention_backend']}"
+            out[key] = plain["tok_per_s"] / m["tok_per_s"]
     return out
 
 
@@ -72,8 +81,10 @@ def print_summary(out: Path) -> int:
             print(f"{name:<12} {str(sec.get('status', '-')):<22} {sec.get('seconds', '-')} s")
     bw = data.get("bandwidth", {})
     if "h2d_gbps" in bw:
-        print(f"pinned h2d {bw['h2d_gbps']['median']:.1f} GB/s (max {bw['h2d_gbps']['max']:.1f}),"
-              f" d2h {bw['d2h_gbps']['median']:.1f}, pageable h2d {bw['h2d_pageable_gbps']:.1f}")
+        print(f"pinned h2d {bw['h2d_gbps']['median']:.1f} GB/s (max {bw['h2d_gbps']['max']:.1f},"
+              f" back to back {bw.get('h2d_gbps_back_to_back', float('nan')):.1f}; "
+              f"{bw.get('timer', 'wall clock')}), d2h {bw['d2h_gbps']['median']:.1f}, "
+              f"pageable h2d {bw['h2d_pageable_gbps']:.1f}")
         for size, r in bw.get("backend_h2d_sweep", {}).items():
             print(f"  backend.h2d {size:>8}: {r['wall_gbps']:.1f} GB/s wall, "
                   f"{r['issue_us_per_copy']:.1f} us issue/copy")
@@ -82,13 +93,16 @@ def print_summary(out: Path) -> int:
         print(f"  attention {c['dtype']:<8} {str(c['shape']):<34} {errs}  ok={c['ok']}")
     modes = data.get("mechanics", {}).get("modes", {})
     if modes:
-        cols = ("tok_per_s", "step_s", "link_gbps_decode", "link_gbps_busy", "link_util",
-                "over_floor", "mean_accepted_len", "prefill_s")
-        print(f"{'mode':<13}" + "".join(f"{c:>18}" for c in cols))
+        cols = ("attention_backend", "tok_per_s", "step_s", "link_gbps_decode",
+                "link_gbps_busy", "link_util", "link_utilization", "over_floor",
+                "round_time_over_floor", "decode_time_over_link_floor", "mean_accepted_len",
+                "prefill_s")
+        widths = [len(c) + 2 for c in cols]
+        print(f"{'mode':<17}" + "".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
         for name, m in modes.items():
-            cells = "".join(f"{m[c]:>18.3f}" if isinstance(m.get(c), float | int) else
-                            f"{str(m.get(c, '-')):>18}" for c in cols)
-            print(f"{name:<13}{cells}  {m.get('status', '')}")
+            cells = "".join(f"{m[c]:>{w}.3f}" if isinstance(m.get(c), float | int) else
+                            f"{str(m.get(c, '-')):>{w}}" for c, w in zip(cols, widths))
+            print(f"{name:<17}{cells}  {m.get('status', '')}")
     for k, v in data["targets"].items():
         print(f"target {k:<34} {v}")
     return 0
