@@ -46,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=int, default=128,
                    help="greedy output tokens per request")
     p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS,
-                   help=f"emulated link bandwidth, GB/s (default {DEFAULT_LINK_GBPS})")
+                   help="emulated link bandwidth of the cpu backend, GB/s (ignored on cuda)")
     p.add_argument("--device-kv-bytes", type=float, default=64 << 20,
                    help="device KV budget of every mode, bytes")
     p.add_argument("-q", "--num-speculative-tokens", type=int, default=4,
@@ -74,7 +74,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def settings_from(args: argparse.Namespace) -> BenchSettings:
     return BenchSettings(
         model=args.model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
-        device_kv_bytes=int(args.device_kv_bytes), link_gbps=args.link_gbps,
+        device_kv_bytes=int(args.device_kv_bytes),
+        # the emulated link's rate; a real device's link sets its own pace (and the floors
+        # then use the rate the engine measures)
+        link_gbps=None if args.device.startswith("cuda") else args.link_gbps,
         num_speculative_tokens=args.num_speculative_tokens, chunk_tokens=args.chunk_tokens,
         staging_buffers=args.staging_buffers, wave_requests=args.wave_requests,
         block_size=args.block_size,
