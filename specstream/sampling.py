@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from specstream.backends.base import to_device
 from specstream.sampling_params import SamplingParams
 
 RowParam = Tensor | Sequence[float] | float
@@ -60,8 +61,11 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu"
 
 
 def _row_tensor(x: RowParam, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    t = torch.as_tensor(x, dtype=dtype, device=device)
-    return t.expand(n) if t.dim() == 0 else t
+    if isinstance(x, Tensor):
+        t = x.to(device=device, dtype=dtype)
+    else:
+        t = to_device([x] if isinstance(x, (int, float)) else list(x), dtype, device)
+    return t.expand(n) if t.numel() == 1 and n != 1 else t
 
 
 def _as_list(x: RowParam, n: int) -> list[float]:
@@ -73,6 +77,9 @@ def logits_to_probs(
     temperature: RowParam,  # [N] or scalar
     top_k: RowParam,  # [N] or scalar, <= 0 = off
     top_p: RowParam,  # [N] or scalar, 1 = off
+    *,
+    filters: bool | None = None,  # any row with top-k or top-p (None: found from the values)
+    any_greedy: bool | None = None,  # any row with temperature 0 (None: likewise)
 ) -> Tensor:  # [N, V] fp32
     """Apply temperature, then top-k, then top-p (nucleus), and return fp32 probabilities.
 
@@ -91,15 +98,17 @@ def logits_to_probs(
 
     use_k = k > 0
     use_p = p < 1
-    # Whether any row filters or is greedy: from the host values when given as numbers (no
-    # device sync), else from the tensors.
-    host = not any(isinstance(x, Tensor) for x in (temperature, top_k, top_p))
-    if host:
-        rows = [_as_list(x, n) for x in (temperature, top_k, top_p)]
-        filters = any(kk > 0 or pp < 1 for kk, pp in zip(rows[1], rows[2]))
-        any_greedy = any(t == 0 for t in rows[0])
-    else:
-        filters, any_greedy = bool((use_k | use_p).any()), bool(greedy.any())
+    # Whether any row filters or is greedy: given by the caller, or from the host values when
+    # given as numbers (no device sync), else read from the tensors.
+    if filters is None or any_greedy is None:
+        if not any(isinstance(x, Tensor) for x in (temperature, top_k, top_p)):
+            rows = [_as_list(x, n) for x in (temperature, top_k, top_p)]
+            found = (any(kk > 0 or pp < 1 for kk, pp in zip(rows[1], rows[2])),
+                     any(t == 0 for t in rows[0]))
+        else:
+            found = (bool((use_k | use_p).any()), bool(greedy.any()))
+        filters = found[0] if filters is None else filters
+        any_greedy = found[1] if any_greedy is None else any_greedy
     if filters:
         # Stable sort: among equal logits the lower token id ranks first, as in argmax.
         sorted_x, order = x.sort(dim=-1, descending=True, stable=True)

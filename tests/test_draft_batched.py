@@ -17,7 +17,7 @@ from specstream.models.decoder import CausalLM
 from specstream.models.loader import load_model
 from specstream.sampling import SamplingTensors, logits_to_probs
 from specstream.sampling_params import SamplingParams
-from specstream.spec.draft import DraftModelProposer, _processed_probs
+from specstream.spec.draft import DraftModelProposer
 from specstream.spec.proposer import Proposal, ProposeRequest
 
 WINDOW = dict(cache="window", window_tokens=40, sink_tokens=4, max_draft_tokens=8)
@@ -164,18 +164,22 @@ def test_draft_steps_read_nothing_back(draft_model, monkeypatch, kind) -> None:
     assert drafts[0] == drafts[1]
 
 
-def test_processed_probs_are_logits_to_probs(draft_model) -> None:
+def test_host_flags_give_what_reading_the_tensors_gives(draft_model) -> None:
+    """The draft passes its parameters as device tensors with the two branch flags known on the
+    host (no read-back); that equals logits_to_probs finding them itself."""
     params = PARAMS["mixed"]
     logits = torch.randn(len(params), 128, generator=torch.Generator().manual_seed(0))
     logits[0, 5] = logits[0, 9] = logits[0].max() + 1  # a tie: the lower id wins
     t = SamplingTensors.from_params(params)
-    got = _processed_probs(logits, t, filters=True, any_greedy=True)
+    got = logits_to_probs(logits, t.temperature, t.top_k, t.top_p, filters=True,
+                          any_greedy=True)
     want = logits_to_probs(logits, [p.temperature for p in params], [p.top_k for p in params],
                            [p.top_p for p in params])
     assert torch.equal(got, want)
     plain = params[1:3]
     t = SamplingTensors.from_params([SamplingParams(temperature=p.temperature) for p in plain])
-    assert torch.equal(_processed_probs(logits[1:3], t, filters=False, any_greedy=False),
+    assert torch.equal(logits_to_probs(logits[1:3], t.temperature, t.top_k, t.top_p,
+                                       filters=False, any_greedy=False),
                        logits_to_probs(logits[1:3], [p.temperature for p in plain], 0, 1.0))
 
 

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from specstream.attention.reference import gqa_group
 from specstream.attention.triton_wave import triton_available, wave_attention_triton
+from specstream.backends.base import upload
 from specstream.registry import Registry
 
 NEG_INF = float("-inf")
@@ -55,12 +56,9 @@ class WaveShape:
     def build(cls, index: list[int] | None, key_len: list[int], num_keys: int,
               causal_offset: list[int] | None, device: torch.device) -> WaveShape:
         full = causal_offset is None and all(n == num_keys for n in key_len)
-        return cls(
-            None if index is None else torch.tensor(index, dtype=torch.long, device=device),
-            torch.tensor(key_len, dtype=torch.int32, device=device),
-            None if causal_offset is None else torch.tensor(causal_offset, dtype=torch.int32,
-                                                            device=device),
-            full)
+        index_t, lengths, offsets = upload([index, key_len, causal_offset], torch.int64, device)
+        assert lengths is not None
+        return cls(index_t, lengths.int(), None if offsets is None else offsets.int(), full)
 
     def folded_mask(self, group: int, num_q: int, num_k: int) -> Tensor | None:
         """``[W, 1, group * num_q, num_k]`` float, 0 where visible and -inf elsewhere; rows

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import ClassVar, NamedTuple, TypeVar
 
@@ -44,6 +44,30 @@ def sync_point() -> Iterator[None]:
         yield
     finally:
         torch.cuda.set_sync_debug_mode(mode)
+
+
+def upload(lists: Sequence[Sequence[float] | None], dtype: torch.dtype,
+           device: torch.device | str) -> list[Tensor | None]:
+    """Host lists as device tensors, sent as one transfer: pinned and non-blocking on a GPU
+    (``torch.tensor(values, device="cuda")`` would copy from pageable memory and synchronise
+    the stream, so preparing a round would wait for the device). None stays None."""
+    device = torch.device(device)
+    flat = torch.tensor([x for values in lists if values is not None for x in values], dtype=dtype)
+    if device.type != "cpu":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    out: list[Tensor | None] = []
+    at = 0
+    for values in lists:
+        out.append(None if values is None else flat[at : at + len(values)])
+        at += 0 if values is None else len(values)
+    return out
+
+
+def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """One host list as a device tensor without a stream sync (see ``upload``)."""
+    (t,) = upload([values], dtype, device)
+    assert t is not None
+    return t
 
 
 class BatchTag(tuple):  # type: ignore[type-arg]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specstream.attention.waves import WaveShape
+from specstream.backends.base import to_device
 from specstream.engine.step import StepPlan
 from specstream.kvcache.storage import KVStore
 
@@ -57,8 +58,8 @@ class StepKV:
                 offsets.append(rel % bs)
             self.rows.append((row, row + n))
             row += n
-        self.slot_blocks = torch.tensor(blocks, dtype=torch.long, device=device)
-        self.slot_offsets = torch.tensor(offsets, dtype=torch.long, device=device)
+        self.slot_blocks = to_device(blocks, torch.long, device)
+        self.slot_offsets = to_device(offsets, torch.long, device)
         self.groups = buckets_of([len(s.token_ids) for s in plan.seqs])
         self.buckets: list[Bucket] = []
         out_index = [0] * row
@@ -83,11 +84,11 @@ class StepKV:
             consecutive = bool(only) and all(only[j + 1] == only[j] + 1
                                              for j in range(len(only) - 1))
             self.buckets.append(Bucket(
-                members, p, torch.tensor(q_index, dtype=torch.long, device=device),
-                torch.tensor(tail_blocks, dtype=torch.long, device=device),
+                members, p, to_device(q_index, torch.long, device),
+                to_device(tail_blocks, torch.long, device),
                 only[0] if consecutive else -1, tb * bs,
                 WaveShape.build(None, tail_len, tb * bs, offset, device)))
-        self.out_index = torch.tensor(out_index, dtype=torch.long, device=device)
+        self.out_index = to_device(out_index, torch.long, device)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The new tokens' K and V (``[num_tokens, num_kv_heads, head_dim]``) into their

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from specstream.attention.waves import WaveAttention
+from specstream.backends.base import upload
 from specstream.engine.attention import StepKV
 from specstream.engine.history import Gap, HistorySource
 from specstream.engine.step import StepPlan
@@ -31,8 +32,9 @@ def run_round(
     device = store.device.device
     ids = [t for s in plan.seqs for t in s.token_ids]
     pos = [p for s in plan.seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))]
-    x, (cos, sin) = model.embed(torch.tensor(ids, dtype=torch.long, device=device),
-                                torch.tensor(pos, dtype=torch.long, device=device))
+    ids_t, pos_t = upload([ids, pos], torch.long, device)  # no stream sync on a GPU
+    assert ids_t is not None and pos_t is not None
+    x, (cos, sin) = model.embed(ids_t, pos_t)
     kv = StepKV(plan, store)
     scale, kv_heads = store.cfg.head_dim**-0.5, store.cfg.num_kv_heads
     history.begin(plan, kv.groups)  # the first waves of cold history are in flight from here

@@ -18,6 +18,7 @@ from specstream.backends.base import (
     TransferError,
     TransferHandle,
     sync_point,
+    upload,
 )
 from specstream.engine.drafting import Drafting
 from specstream.engine.history import HistorySource
@@ -171,21 +172,17 @@ class Worker:
         out: StepOutput,
     ) -> None:
         q = max(plan.seqs[i].num_drafts for i in sampled)
-        index = torch.zeros(len(sampled), q + 1, dtype=torch.long)
-        for b, i in enumerate(sampled):
-            s, hi = plan.seqs[i], rows[i][1]
-            n = s.num_drafts + 1
-            index[b, :n] = torch.arange(hi - n, hi)
-            index[b, n:] = hi - 1  # padding rows, never read past num_drafts
-        logits = self.model.compute_logits(hidden[index.view(-1).to(self.device)])
-        logits = logits.view(len(sampled), q + 1, -1)  # stays on the device
         seqs = [plan.seqs[i] for i in sampled]
-        drafts = torch.zeros(len(sampled), q, dtype=torch.long)
-        for b, s in enumerate(seqs):
-            if s.num_drafts:
-                tail = s.token_ids[len(s.token_ids) - s.num_drafts :]
-                drafts[b, : s.num_drafts] = torch.tensor(tail, dtype=torch.long)
-        drafts = drafts.to(self.device)
+        index, draft_ids = [], []
+        for i, s in zip(sampled, seqs):
+            hi, n = rows[i][1], s.num_drafts + 1
+            index += list(range(hi - n, hi)) + [hi - 1] * (q + 1 - n)  # padding: never read
+            draft_ids += list(s.token_ids[len(s.token_ids) - s.num_drafts :]) + [0] * (q + 1 - n)
+        index_t, drafts_t = upload([index, draft_ids], torch.long, self.device)
+        assert index_t is not None and drafts_t is not None
+        logits = self.model.compute_logits(hidden[index_t])
+        logits = logits.view(len(sampled), q + 1, -1)  # stays on the device
+        drafts = drafts_t.view(len(sampled), q)
         probs = [self.draft_probs.get(s.request_id) if s.num_drafts else None for s in seqs]
         draft_probs = None
         if any(p is not None for p in probs):

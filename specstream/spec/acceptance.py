@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from specstream.backends.base import to_device
 from specstream.sampling import SamplingTensors, logits_to_probs, sample, uniform
 from specstream.sampling_params import SamplingParams
 
@@ -109,7 +110,7 @@ def accept_drafts_on_device(
     counts = [int(c) for c in counts]
     if len(counts) != bsz or any(not 0 <= c <= q for c in counts):
         raise ValueError(f"num_drafts must be [B] ints in [0, {q}], got {counts}")
-    n_drafts = torch.tensor(counts, dtype=torch.int64, device=dev)
+    n_drafts = to_device(counts, torch.int64, dev)
     temp: Tensor | list[float]
     top_k: Tensor | list[int]
     top_p: Tensor | list[float]
@@ -124,7 +125,7 @@ def accept_drafts_on_device(
         temp = [p.temperature for p in params for _ in range(q_plus_1)]
         top_k = [p.top_k for p in params for _ in range(q_plus_1)]
         top_p = [p.top_p for p in params for _ in range(q_plus_1)]
-    greedy = torch.tensor(greedy_rows, dtype=torch.bool, device=dev)  # [B]
+    greedy = to_device(greedy_rows, torch.bool, dev)  # [B]
 
     p = logits_to_probs(target_logits.reshape(-1, vocab), temp, top_k, top_p)
     p = p.view(bsz, q_plus_1, vocab)  # [B, Q+1, V]

@@ -30,10 +30,11 @@ import torch
 from torch import Tensor
 
 from specstream.attention.waves import TorchWaves, WaveAttention, WaveShape
+from specstream.backends.base import upload
 from specstream.engine.attention import buckets_of
 from specstream.engine.request import RequestError
 from specstream.models.decoder import CausalLM
-from specstream.sampling import SamplingTensors, make_generator, sample
+from specstream.sampling import SamplingTensors, logits_to_probs, make_generator, sample
 from specstream.sampling_params import derive_seed
 from specstream.spec.proposer import (
     Proposal,
@@ -42,21 +43,6 @@ from specstream.spec.proposer import (
     ProposeRequest,
     register_proposer,
 )
-
-
-def _upload(lists: Sequence[Sequence[float] | None], dtype: torch.dtype, device: torch.device
-            ) -> list[Tensor | None]:
-    """Host lists as device tensors, sent as one transfer: pinned and non-blocking off the CPU,
-    so preparing a draft step never waits for the device. None stays None."""
-    flat = torch.tensor([x for values in lists if values is not None for x in values], dtype=dtype)
-    if device.type != "cpu":
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    out: list[Tensor | None] = []
-    at = 0
-    for values in lists:
-        out.append(None if values is None else flat[at : at + len(values)])
-        at += 0 if values is None else len(values)
-    return out
 
 
 def _consecutive(xs: Sequence[int]) -> bool:
@@ -211,7 +197,7 @@ class _DraftForward:
                 None if p == 1 else [c.length for c in seqs],
             ]
         identity = base == rows[-1] and out_index == list(range(base))  # no padding
-        sent = _upload([positions, write, last, None if identity else out_index, *extra, *lists],
+        sent = upload([positions, write, last, None if identity else out_index, *extra, *lists],
                        torch.long, pool.kv.device)
         self.positions, self.write, self.last, self.out_index = sent[:4]
         self.extra = sent[4 : 4 + len(extra)]
@@ -356,9 +342,9 @@ class DraftJob(ProposeJob):
         self.greedy = all(x.temperature == 0 for x in params)
         self.sampling: SamplingTensors | None = None
         if not self.greedy:
-            temp, top_p = _upload([[x.temperature for x in params], [x.top_p for x in params]],
+            temp, top_p = upload([[x.temperature for x in params], [x.top_p for x in params]],
                                   torch.float32, p.device)
-            (top_k,) = _upload([[x.top_k for x in params]], torch.long, p.device)
+            (top_k,) = upload([[x.top_k for x in params]], torch.long, p.device)
             assert temp is not None and top_p is not None and top_k is not None
             self.sampling = SamplingTensors(temp, top_k, top_p)
         self.steps: list[_Step] = []
@@ -399,8 +385,9 @@ class DraftJob(ProposeJob):
             tokens, probs = logits.argmax(dim=-1), None
         else:
             params = [active[i].params for i in live]
-            probs = _processed_probs(
-                logits, _rows(self.sampling, fwd.extra[1]),
+            st = _rows(self.sampling, fwd.extra[1])
+            probs = logits_to_probs(
+                logits, st.temperature, st.top_k, st.top_p,
                 filters=any(x.top_k > 0 or x.top_p < 1 for x in params),
                 any_greedy=any(x.temperature == 0 for x in params))
             tokens = sample(probs, [c.generator for c in caches])
@@ -441,39 +428,6 @@ def _rows(t: SamplingTensors, rows: Tensor | None) -> SamplingTensors:
         return t
     return SamplingTensors(t.temperature.index_select(0, rows), t.top_k.index_select(0, rows),
                            t.top_p.index_select(0, rows))
-
-
-def _processed_probs(logits: Tensor, t: SamplingTensors, filters: bool, any_greedy: bool
-                     ) -> Tensor:
-    """``sampling.logits_to_probs`` (the same operations in the same order, so the same draws)
-    with its parameters already on the device and its two branches chosen from host values:
-    ``logits_to_probs`` would copy list parameters to the device with a blocking copy, a host
-    sync on CUDA. ``logits`` ``[N, V]``; returns fp32 probabilities ``[N, V]``."""
-    vocab = logits.shape[1]
-    temp, k, p = t.temperature, t.top_k, t.top_p
-    x = logits.float()
-    greedy = temp == 0
-    x = x / torch.where(greedy, torch.ones_like(temp), temp)[:, None]
-    use_k = k > 0
-    use_p = p < 1
-    if filters:
-        # Stable sort: among equal logits the lower token id ranks first, as in argmax.
-        sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
-        rank = torch.arange(vocab, device=logits.device)
-        k_eff = torch.where(use_k, k.clamp(max=vocab), torch.full_like(k, vocab))
-        sorted_x = sorted_x.masked_fill(rank[None, :] >= k_eff[:, None], float("-inf"))
-        sorted_probs = sorted_x.softmax(dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop = (mass_before >= p[:, None]) & use_p[:, None]
-        drop[:, 0] = False
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.empty_like(x).scatter_(-1, order, sorted_x)
-    probs = x.softmax(dim=-1)
-    if any_greedy:
-        one_hot = torch.zeros_like(probs)
-        one_hot.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None], one_hot, probs)
-    return probs
 
 
 def _draft_generator(r: ProposeRequest, device: torch.device) -> torch.Generator | None:
