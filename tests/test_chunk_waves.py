@@ -120,3 +120,43 @@ def test_acceptance_reads_nothing_back_before_its_one_read_back(monkeypatch):
     monkeypatch.undo()
     got = [t[: n + 1] for t, n in zip(tokens.tolist(), num_accepted.tolist())]
     assert got == want.output_tokens
+
+
+def test_a_specstream_decode_round_reads_back_once(tiny_target, tiny_draft, monkeypatch):
+    """A decode round of `specstream` (one group verified, the other drafting) brings its
+    results home in one read-back: the verified tokens and counts and the new drafts together.
+    Counted as reads of tensor values (.tolist/.item/.cpu/int()/bool()) during Worker.run."""
+    llm = LLM(tiny_target, mode="specstream", draft_model=tiny_draft, device_kv_bytes=2_000_000,
+              **dict(OFFLOAD, max_prefill_tokens=2048))
+    eng = llm.engine
+    for p in _prompts((300, 280, 260, 240)):
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    reads: list[str] = []
+    real_run = eng.worker.run
+    counted: list[int] = []
+
+    def run(plan):  # type: ignore[no-untyped-def]
+        reads.clear()
+        out = real_run(plan)
+        decode = plan.seqs and not any(s.prefill for s in plan.seqs)
+        if decode and any(not d.after_verify for d in plan.drafts):
+            counted.append(len(reads))
+        return out
+
+    for name in ("tolist", "item", "cpu", "__int__", "__bool__", "__index__", "numpy"):
+        real = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _name=name, _real=real, **k):  # type: ignore[no-untyped-def]
+            reads.append(_name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    eng.worker.run = run  # type: ignore[method-assign]
+    for _ in range(60):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+    monkeypatch.undo()
+    llm.close()
+    assert len(counted) >= 3
+    assert counted == [1] * len(counted)

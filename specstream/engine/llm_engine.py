@@ -82,12 +82,12 @@ class LLMEngine:
                                    max_model_len=layout.max_model_len,
                                    eos_token_ids=layout.eos_token_ids,
                                    decode=tok.decode if tok is not None else None)
+        self.attention = ATTENTION.get(resolve_backend(config.attention_backend, device))
         self.proposer = self._make_proposer() if config.speculative else None
-        attention = ATTENTION.get(resolve_backend(config.attention_backend, device))
         self.worker = Worker(self.model, self.store, self.backend, self.history, self.proposer,
                              DRAFTING.get(drafting_for(mode.drafting, device))(
                                  self.tracer, self.backend),
-                             attention, self.tracer)
+                             self.attention, self.tracer)
         self._ids = itertools.count()
         self.stats = EngineStats(accepted_per_pos=[0] * max(1, config.q))
         # The newest decode steps, and steps that only prefilled (bounded: a server runs for
@@ -107,7 +107,7 @@ class LLMEngine:
                 f"({self.model_config.vocab_size})"
             )
         return DraftModelProposer(draft, cfg.draft_cache, cfg.draft_window_tokens,
-                                  cfg.draft_sink_tokens, cfg.q)
+                                  cfg.draft_sink_tokens, cfg.q, attention=self.attention)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +25,7 @@ from specstream.engine.drafting import Drafting
 from specstream.engine.history import HistorySource
 from specstream.engine.request import RequestError
 from specstream.engine.round import run_round
-from specstream.engine.step import DraftWork, StepOutput, StepPlan
+from specstream.engine.step import DraftWork, SeqWork, StepOutput, StepPlan
 from specstream.engine.trace import Tracer
 from specstream.kvcache.storage import KVStore
 from specstream.models.decoder import CausalLM
@@ -32,6 +33,16 @@ from specstream.sampling import make_generator
 from specstream.sampling_params import SamplingParams
 from specstream.spec.acceptance import accept_drafts_on_device
 from specstream.spec.proposer import ProposeJob, Proposer, ProposeRequest
+
+
+@dataclass
+class _Verdict:
+    """A round's acceptance, still on the device."""
+
+    seqs: list[SeqWork]  # the verified requests
+    # [B * (q + 1 + 1)]: per request its accepted-draft count, then q + 1 tokens (the accepted
+    # drafts and the recovered or bonus token, padded)
+    packed: torch.Tensor
 
 
 class Worker:
@@ -67,10 +78,11 @@ class Worker:
         during = [d for d in plan.drafts if not d.after_verify]
         job = self._start(during, {}, out)
         self.drafting.begin(job)
+        verdict: _Verdict | None = None
         try:
             if plan.seqs:
                 with self.tracer.span("verify", "verify", tokens=plan.num_tokens):
-                    self._forward_and_verify(plan, out)
+                    verdict = self._forward_and_verify(plan, out)
         except BaseException:
             self.drafting.abort()
             for d in plan.drafts:  # their draft caches may be part-advanced: start them anew
@@ -80,7 +92,7 @@ class Worker:
             out.errors.update(self._wait(writebacks))
         out.wait_s = self.history.wait_s - wait0
         out.draft_s = self.drafting.end()
-        self._take(job, out)
+        self._read_back(verdict, job, out)
         after = [d for d in plan.drafts if d.after_verify and d.request_id not in out.errors]
         job = self._start(after, out.new_tokens, out)
         if job is not None:
@@ -141,27 +153,43 @@ class Worker:
                 batch = [b for b in batch if b.request_id != exc.request_id]
         return None
 
-    def _take(self, job: ProposeJob | None, out: StepOutput) -> None:
-        """Keep a finished job's drafts: ids for the scheduler, probabilities here."""
+    def _read_back(self, verdict: _Verdict | None, job: ProposeJob | None,
+                   out: StepOutput) -> None:
+        """The round's one read-back: the verified requests' tokens and counts and the other
+        group's drafts come to the host in a single copy (``sync_point``)."""
+        drafted = job.device_tokens() if job is not None else None
+        parts = [] if verdict is None else [verdict.packed]
+        parts += [] if drafted is None else [drafted]
+        with sync_point():
+            values: list[int] = torch.cat(parts).tolist() if parts else []
+        if verdict is not None:
+            self._apply(verdict, values[: verdict.packed.numel()], out)
+        if job is not None:
+            rest = values[len(values) - drafted.numel():] if drafted is not None else None
+            self._take(job, out, rest)
+
+    def _take(self, job: ProposeJob | None, out: StepOutput,
+              read: list[int] | None = None) -> None:
+        """Keep a finished job's drafts: ids for the scheduler, probabilities here. ``read``:
+        its drafted tokens, already read back (else the job reads them, a sync)."""
         if job is None:
             return
-        with sync_point():  # the drafts come back
-            proposals = job.result()
+        with sync_point():  # the drafts come back (nothing left to read when ``read`` is given)
+            proposals = job.result(read)
         for r, prop in zip(job.requests, proposals):
             out.drafts[r.request_id] = list(prop.token_ids)
             self.draft_probs[r.request_id] = prop.probs
 
     # ---- verification -------------------------------------------------------------------
     @torch.no_grad()
-    def _forward_and_verify(self, plan: StepPlan, out: StepOutput) -> None:
+    def _forward_and_verify(self, plan: StepPlan, out: StepOutput) -> _Verdict | None:
         hidden, rows, failed = run_round(self.model, plan, self.store, self.history,
                                          self.drafting.gap, self.attention)
         out.errors.update(failed)
         # rows whose logits are needed: the last token and every draft of sampling requests
         sampled = [i for i, s in enumerate(plan.seqs) if s.sample and s.request_id not in
                    out.errors]
-        if sampled:
-            self._verify(plan, sampled, rows, hidden, out)
+        return self._verify(plan, sampled, rows, hidden) if sampled else None
 
     def _verify(
         self,
@@ -169,8 +197,8 @@ class Worker:
         sampled: list[int],
         rows: list[tuple[int, int]],
         hidden: torch.Tensor,  # [num_tokens, hidden]
-        out: StepOutput,
-    ) -> None:
+    ) -> _Verdict:
+        """Acceptance of the sampled requests, left on the device (nothing read back)."""
         q = max(plan.seqs[i].num_drafts for i in sampled)
         seqs = [plan.seqs[i] for i in sampled]
         index, draft_ids = [], []
@@ -198,9 +226,13 @@ class Worker:
             logits, drafts, [s.num_drafts for s in seqs], draft_probs,
             [s.params for s in seqs], [self._generator(s.request_id, s.params) for s in seqs],
         )
-        with sync_point():  # the round's tokens come back: one small copy
-            back: list[list[int]] = torch.cat([num_accepted[:, None], tokens], dim=1).tolist()
-        for s, r in zip(seqs, back):
+        return _Verdict(seqs, torch.cat([num_accepted[:, None], tokens], dim=1).flatten())
+
+    def _apply(self, verdict: _Verdict, values: list[int], out: StepOutput) -> None:
+        """The verified requests' tokens, read back: ``[count, tokens (q + 1)]`` each."""
+        width = len(values) // len(verdict.seqs)
+        for b, s in enumerate(verdict.seqs):
+            r = values[b * width : (b + 1) * width]
             toks = r[1 : 2 + r[0]]
             out.new_tokens[s.request_id] = toks
             if self.proposer is not None:  # the draft forgets what the target rejected

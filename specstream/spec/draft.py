@@ -396,16 +396,22 @@ class DraftJob(ProposeJob):
         self.num_steps += 1
         return bool(self.live)
 
-    def result(self) -> list[Proposal]:
+    def device_tokens(self) -> Tensor | None:
+        while self.step():
+            pass
+        return torch.cat([st.tokens for st in self.steps]) if self.steps else None
+
+    def result(self, read: list[int] | None = None) -> list[Proposal]:
         if self._result is None:
             while self.step():
                 pass
-            self._result = self._collect()
+            self._result = self._collect(read)
         return self._result
 
-    def _collect(self) -> list[Proposal]:
-        # the one read-back: every drafted token of every request
-        flat = torch.cat([st.tokens for st in self.steps]).tolist() if self.steps else []
+    def _collect(self, read: list[int] | None) -> list[Proposal]:
+        # the one read-back (unless the engine did it): every drafted token of every request
+        flat = read if read is not None else (
+            torch.cat([st.tokens for st in self.steps]).tolist() if self.steps else [])
         drafted: list[list[int]] = [[] for _ in self.active]
         probs: list[list[Tensor]] = [[] for _ in self.active]
         at = 0

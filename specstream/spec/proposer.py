@@ -62,7 +62,15 @@ class ProposeJob:
             self.num_steps += 1
         return False
 
-    def result(self) -> list[Proposal]:
+    def device_tokens(self) -> Tensor | None:
+        """Every drafted token, flat and still on the device, once the job is finished (None
+        for proposers that draft on the host); ``result(values)`` takes them read back, so an
+        engine can bring them home in the same copy as its other results."""
+        return None
+
+    def result(self, read: list[int] | None = None) -> list[Proposal]:
+        """One Proposal per request. ``read``: ``device_tokens()`` read back, where the job
+        has device tokens (else it reads them itself)."""
         self.step()
         assert self._result is not None
         return self._result
