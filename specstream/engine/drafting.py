@@ -103,7 +103,7 @@ class OnDraftStream(Drafting):
         streams = getattr(self.backend, "draft_stream", None)
         assert streams is not None, "draft-stream drafting needs the CUDA backend"
         t0 = time.perf_counter()
-        with streams() as stream, torch.no_grad():
+        with streams() as stream, torch.inference_mode():
             while job.step():  # enqueued, not run: nothing here waits for the device
                 pass
         self.stream, self.enqueue_s = stream, time.perf_counter() - t0
@@ -145,7 +145,8 @@ class _DraftThread:
         try:
             torch.set_num_threads(1)
             t0 = time.perf_counter()
-            with torch.no_grad(), sync_point():
+            # inference mode is per thread: the worker's round runs in it, and so must this
+            with torch.inference_mode(), sync_point():
                 self.job.result()
             self.draft_s = time.perf_counter() - t0
             self.tracer.add("draft", "draft (second device)", t0, t0 + self.draft_s)

@@ -40,10 +40,39 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * _normalize(x, self.eps)
+
+
+def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS-normalise the last dimension in fp32, back in x's dtype (RMSNorm before its weight)."""
+    return _rms_norm(x.float(), eps).to(x.dtype)
+
+
+def _rms_norm_plain(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _rms_norm_fused(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), eps=eps)  # one kernel instead of five
+
+
+_rms_norm = _rms_norm_fused if hasattr(F, "rms_norm") else _rms_norm_plain
+
+
+def _fused(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several projections of the same input; the projections'
+    parameters become views of it, so memory is not doubled and loading stays by name."""
+    weight = torch.cat([lin.weight.data for lin in linears])
+    bias = (torch.cat([lin.bias.data for lin in linears])
+            if all(lin.bias is not None for lin in linears) else None)
+    at = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[at : at + n], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[at : at + n], requires_grad=False)
+        at += n
+    return weight, bias
 
 
 class Attention(nn.Module):
@@ -60,17 +89,43 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
+        # Set by `fuse`: q/k/v as one projection, and the q/k norm weights per head
+        # ([heads + kv_heads, D]); buffers, so that moving the model moves them.
+        self.qkv_weight: torch.Tensor | None
+        self.qkv_bias: torch.Tensor | None
+        self.qk_norm_weight: torch.Tensor | None
+        for name in ("qkv_weight", "qkv_bias", "qk_norm_weight"):
+            self.register_buffer(name, None, persistent=False)
+
+    def fuse(self) -> None:
+        """One projection for q, k and v, and one norm and one rotation for q and k together
+        (the same arithmetic, fewer kernels: a decode step is launch-bound on a GPU). Call once
+        the weights are loaded."""
+        self.qkv_weight, self.qkv_bias = _fused([self.q_proj, self.k_proj, self.v_proj])
+        if self.q_norm is not None and self.k_norm is not None:
+            d = self.head_dim
+            self.qk_norm_weight = torch.cat((self.q_norm.weight.data.expand(self.num_heads, d),
+                                             self.k_norm.weight.data.expand(self.num_kv_heads, d)))
+
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # x: [num_tokens, hidden] -> q [n, heads, D], k and v [n, kv_heads, D] (rotated)
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        n, h, kv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_weight is not None:
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split((h * d, kv * d, kv * d),
+                                                                       dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qk = torch.cat((q.view(n, h, d), k.view(n, kv, d)), dim=1)  # [n, heads + kv_heads, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+            weight = self.qk_norm_weight
+            if weight is None:
+                weight = torch.cat((self.q_norm.weight.expand(h, d),
+                                    self.k_norm.weight.expand(kv, d)))
+            qk = weight * _normalize(qk, self.q_norm.eps)  # per head, as two RMSNorms
+        qk = apply_rotary(qk, cos, sin)
+        return qk[:, :h], qk[:, h:], v.reshape(n, kv, d)
 
     def out(self, attn: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # attn: [num_tokens, heads, D] -> [num_tokens, hidden]
@@ -85,8 +140,20 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
 
+        self.gate_up_weight: torch.Tensor | None  # set by `fuse` (buffers)
+        self.gate_up_bias: torch.Tensor | None
+        for name in ("gate_up_weight", "gate_up_bias"):
+            self.register_buffer(name, None, persistent=False)
+
+    def fuse(self) -> None:
+        """Gate and up as one projection (see ``Attention.fuse``)."""
+        self.gate_up_weight, self.gate_up_bias = _fused([self.gate_proj, self.up_proj])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -144,6 +211,14 @@ class CausalLM(nn.Module):
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.norm(x)
+
+    def fuse(self) -> CausalLM:
+        """Fuse each layer's projections of the same input (q/k/v, gate/up) once the weights
+        are loaded; see ``Attention.fuse``."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext

@@ -154,4 +154,4 @@ def load_model(
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise CheckpointError(f"{folder}: checkpoint is missing {len(missing)} tensor(s): {shown}")
-    return model
+    return model.fuse()
