@@ -67,8 +67,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk-tokens", type=int, default=None,
                    help=f"tokens per streamed restore chunk (default: {_default('chunk_tokens')})")
     g.add_argument("--staging-buffers", type=int, default=None,
-                   help=f"device staging buffers for streamed chunks (default: "
+                   help=f"staging slots for streamed chunk waves (default: "
                         f"{_default('staging_buffers')})")
+    g.add_argument("--wave-requests", type=int, default=None,
+                   help=f"requests per chunk wave: a staging slot holds one chunk of each "
+                        f"(default: {_default('wave_requests')})")
+    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default=None,
+                   help="attention kernels: auto = Triton on CUDA when importable, else torch "
+                        f"(default: {_default('attention_backend')})")
     g.add_argument("--resident-tail-tokens", type=int, default=None,
                    help=f"newest tokens of a request kept on the device (default: "
                         f"{_default('resident_tail_tokens')})")

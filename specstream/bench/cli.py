@@ -57,6 +57,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="chunk-wave slots in the staging ring of specstream")
     p.add_argument("--wave-requests", type=int, default=BenchSettings.wave_requests,
                    help="requests per chunk wave (a staging slot holds one chunk of each)")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
+                   help="attention kernels of every mode (auto: Triton on CUDA, else torch)")
     p.add_argument("--block-size", type=int, default=128, help="tokens per KV block")
     p.add_argument("--resident-tail-tokens", type=int, default=256,
                    help="newest tokens of a request kept on the device")
@@ -83,6 +85,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         block_size=args.block_size,
         resident_tail_tokens=args.resident_tail_tokens,
         offload_after_tokens=args.offload_after_tokens,
+        extra={"attention_backend": args.attention_backend},
     )
 
 
@@ -143,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
             "machine": {"platform": platform.platform(), "python": platform.python_version()},
             "workload": {"context_len": args.context_len, "num_requests": args.num_requests,
                          "output_len": args.output_len},
-            "settings": {k: v for k, v in vars(s).items() if k != "extra"},
+            "settings": {**{k: v for k, v in vars(s).items() if k != "extra"}, **s.extra},
             "modes": results,
             "ratios": r,
             "calibration": calibration_from(results, s, workload),
