@@ -21,3 +21,5 @@ python bench/acceptance_by_context.py --update-card | tee "$out/acceptance-by-co
 python bench/stream_memory.py --json "$out/stream-memory.json" | tee "$out/stream-memory.txt"
 python bench/attention_micro.py --json "$out/attention-micro.json" | tee "$out/attention-micro.txt"
 specstream bench --sweep --json "$out/sweep.json" | tee "$out/sweep.txt"
+# the engine's own host work per round, at the counts of a GPU workload
+python bench/host_overhead.py --json "$out/host-overhead.json" | tee "$out/host-overhead.txt"
