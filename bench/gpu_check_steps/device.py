@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from specstream.attention import triton_partial as tp
+from specstream.attention import triton_wave as tw
 from specstream.attention.waves import resolve_backend
 from specstream.backends import make_backend
 
@@ -28,7 +28,7 @@ def step_env(args: argparse.Namespace) -> dict[str, Any]:
     info: dict[str, Any] = {
         "python": platform.python_version(), "torch": torch.__version__,
         "cuda_runtime": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
-        "triton": getattr(tp.triton, "__version__", None), "device": args.device,
+        "triton": getattr(tw.triton, "__version__", None), "device": args.device,
         "attention_backend_auto": resolve_backend("auto", args.device),
     }  # fmt: skip
     if args.device.startswith("cuda"):

@@ -10,13 +10,18 @@ fp32, so waves merge exactly (`merge_partials`, `AttentionAccumulator`). Rows th
 Masks: keys `j < key_len[w]`, and optionally the causal pattern of the resident tail,
 `causal_offset[w] = c`: query `i` of request `w` sees keys `j <= c + i`.
 
-The kernel is `triton_partial`'s with a request axis: one program per (request, kv head) and block
-of `BLOCK_M` folded rows (GQA: query head `h = kv * group + g`, rows `(g, i)`), looping over that
-request's keys in `BLOCK_N` tiles with online softmax. `key_len` and `causal_offset` are read by
-the kernel from device tensors, so launching never syncs with the host; the loop stops at the
-request's last visible key, so short requests cost only their own tiles. Precision policy as in
-`triton_partial`: IEEE fp32 dots for fp32 inputs and under the interpreter, tensor-core dots with
-fp32 accumulation for 16-bit inputs on CUDA.
+One program per (request, kv head) and block of `BLOCK_M` folded rows (GQA: query head
+`h = kv * group + g`, rows `(g, i)`), looping over that request's keys in `BLOCK_N` tiles with
+online softmax (running max, running normaliser, fp32 accumulator), so K/V are read once per row
+block. `key_len` and `causal_offset` are read by the kernel from device tensors, so launching
+never syncs with the host; the loop stops at the request's last visible key, so short requests
+cost only their own tiles. `triton_partial.partial_attention_triton` is this kernel with one
+request.
+
+Precision: fp32 inputs use IEEE fp32 dots (no TF32), so the kernel matches the torch path to
+~1e-6; 16-bit inputs take q.k on tensor cores with fp32 accumulation and cast the probabilities
+to the input dtype for p.v, as FlashAttention does. Under Triton's interpreter 16-bit inputs
+also take fp32 dots (its 16-bit `tl.dot` is broken).
 """
 
 from __future__ import annotations
@@ -29,7 +34,6 @@ import torch
 from torch import Tensor
 
 from specstream.attention.reference import gqa_group
-from specstream.attention.triton_partial import triton_available
 
 try:
     import triton
@@ -37,6 +41,11 @@ try:
 except ImportError:  # the project never requires Triton
     triton = None
     tl = None
+
+
+def triton_available() -> bool:
+    """True when Triton is importable (the kernels still need CUDA or TRITON_INTERPRET=1)."""
+    return triton is not None
 
 NEG_INF = float("-inf")
 
