@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from specstream.cli import main
 
 FIELDS = ("output_tokens_per_s", "decode_tokens_per_s", "output_tokens_per_s_per_device",
@@ -48,3 +50,25 @@ def test_bench_runs_every_mode_and_writes_json_and_trace(tiny_target, tiny_draft
     spans = [e for e in events if e["ph"] == "X"]
     assert any(e["name"].startswith("draft") for e in spans)
     assert trace.with_suffix(".png").stat().st_size > 1000
+
+
+def test_host_overhead_bench_writes_its_figures(tmp_path):
+    """bench/host_overhead.py at a toy size: it runs the engine's round and writes the four
+    figures it promises (no timing is asserted: speeds belong to the bench, not to tests)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    out = tmp_path / "host.json"
+    subprocess.run([sys.executable, str(root / "bench" / "host_overhead.py"), "--layers", "2",
+                    "--draft-layers", "1", "--requests", "2", "--chunks", "3", "--rounds", "2",
+                    "--json", str(out)], check=True, capture_output=True, timeout=300)
+    r = json.loads(out.read_text())
+    assert r["chunk_waves_per_round"] == 2 * 3 and r["rounds"] == 2
+    assert r["host_ms_per_round"] > 0
+    assert r["host_over_link"] == pytest.approx(
+        r["host_ms_per_round"] / r["h200_link_ms_per_round"], rel=0.02)
+    # the yardstick: 2 layers x 2 requests x 32K tokens of Qwen3-8B KV (8 heads x 128 x bf16)
+    assert r["h200_link_ms_per_round"] == pytest.approx(
+        2 * 2 * 32768 * 2 * 8 * 128 * 2 / 50e9 * 1e3, rel=0.01)
