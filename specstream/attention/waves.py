@@ -30,8 +30,10 @@ from specstream.backends.base import upload
 from specstream.registry import Registry
 
 NEG_INF = float("-inf")
-# torch >= 2.3 on CPU: flash attention that also returns the log-sum-exp (one op per wave)
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# torch >= 2.3 on CPU: flash attention that also returns the log-sum-exp (one op per wave);
+# the overload itself, not the packet, so a call skips the overload resolution
+_CPU_FLASH = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu",
+                             None), "default", None)
 
 
 @dataclass
@@ -138,8 +140,9 @@ class TorchWaves(WaveAttention):
 
     def add(self, k: Tensor, v: Tensor, shape: WaveShape) -> None:
         q = self.q if shape.index is None else self.q.index_select(0, shape.index)
-        kt = k.float().permute(0, 2, 1, 3)  # [W, kv, N, D]
-        vt = v.float().permute(0, 2, 1, 3)
+        if k.dtype != torch.float32:
+            k, v = k.float(), v.float()
+        kt, vt = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)  # [W, kv, N, D]
         mask = shape.folded_mask(self.group, self.num_q, k.shape[1])
         if _CPU_FLASH is not None and q.device.type == "cpu":
             out, lse = _CPU_FLASH(q, kt, vt, 0.0, False, attn_mask=mask, scale=self.scale)

@@ -290,10 +290,10 @@ class TransferBackend(ABC):
     def _failing(self, tag: object) -> object | None:
         """The tag an injected failure reports for a copy tagged ``tag``, or None: for a
         BatchTag, the BatchTag of its failing members."""
+        if not self._fail_predicates:  # the common case: no lock needed to see an empty list
+            return None
         with self._lock:
             predicates = list(self._fail_predicates)
-        if not predicates:
-            return None
         if isinstance(tag, BatchTag):
             bad = BatchTag(t for t in tag if any(p(t) for p in predicates))
             return bad or None

@@ -216,6 +216,7 @@ class ChunkStream(HistorySource):
         # zeroed: a ragged wave leaves rows of a slot unwritten (masked, so finite is enough)
         self.ring = [store.backend.alloc_device(shape, store.dtype).zero_()
                      for _ in range(staging_buffers)]
+        self.ring_rows = [buf.transpose(0, 1) for buf in self.ring]  # as rows of blocks
         self.ring_bytes = staging_buffers * wave_requests * chunk_tokens * store.layer_token_bytes
         self.block_layer_bytes = store.block_size * store.layer_token_bytes
         self._link_free_at = 0.0
@@ -260,7 +261,7 @@ class ChunkStream(HistorySource):
         while self.free_slots and self.jobs:
             layer, copy = self.jobs.popleft()
             slot = self.free_slots.popleft()
-            handle = self.store.restore_rows(layer, copy.index, self.ring[slot], copy.tag,
+            handle = self.store.restore_rows(layer, copy.index, self.ring_rows[slot], copy.tag,
                                              copy.rows)
             # when the link should be done with everything issued (from the rate estimate)
             start = max(time.perf_counter(), self._link_free_at)

@@ -36,6 +36,7 @@ class KVStore:
             backend.alloc_host((cfg.num_layers, 2, num_host_blocks, *tok), dtype)
             if num_host_blocks else None
         )
+        self._host_rows: list[torch.Tensor] = []
 
     @property
     def layer_token_bytes(self) -> int:
@@ -91,19 +92,21 @@ class KVStore:
 
     def host_rows(self, layer: int) -> torch.Tensor:
         """The host tier of one layer as rows of blocks, ``[num_blocks, 2, block_size,
-        num_kv_heads, head_dim]`` (a view)."""
+        num_kv_heads, head_dim]`` (a view, made once)."""
         assert self.host is not None, "no host tier"
-        return self.host[layer].transpose(0, 1)
+        if not self._host_rows:
+            self._host_rows = [self.host[i].transpose(0, 1) for i in range(self.cfg.num_layers)]
+        return self._host_rows[layer]
 
     def restore_rows(
-        self, layer: int, host_blocks: torch.Tensor, dst: torch.Tensor, tag: object,
+        self, layer: int, host_blocks: torch.Tensor, dst_rows: torch.Tensor, tag: object,
         rows: torch.Tensor | None = None,
     ) -> TransferHandle:
-        """One layer of ``host_blocks`` (``[n]`` long) into blocks ``rows`` of ``dst`` (None:
-        the first n) as one transfer: a chunk wave.
+        """One layer of ``host_blocks`` (``[n]`` long) into blocks ``rows`` of ``dst_rows``
+        (None: the first n) as one transfer: a chunk wave.
 
-        dst: [2, blocks, block_size, num_kv_heads, head_dim]
+        dst_rows: [blocks, 2, block_size, num_kv_heads, head_dim] (a staging slot seen as rows
+        of blocks: ``slot.transpose(0, 1)``)
         """
-        assert self.host is not None, "restore without a host tier"
-        return self.backend.h2d_gather(dst.transpose(0, 1), self.host_rows(layer), host_blocks,
-                                       tag, rows=rows)
+        return self.backend.h2d_gather(dst_rows, self.host_rows(layer), host_blocks, tag,
+                                       rows=rows)
