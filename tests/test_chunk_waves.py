@@ -160,3 +160,63 @@ def test_a_specstream_decode_round_reads_back_once(tiny_target, tiny_draft, monk
     llm.close()
     assert len(counted) >= 3
     assert counted == [1] * len(counted)
+
+
+def test_draft_stream_drafting_enqueues_after_the_first_copies(tiny_target, tiny_draft):
+    """`draft-stream` (specstream's drafting on CUDA), driven on the CPU with a stand-in stream:
+    the other group's draft steps are enqueued once the round's first copies are in flight (the
+    link never waits for the host to enqueue them), joined before the read-back, and the output
+    is the target's greedy output."""
+    from contextlib import contextmanager
+
+    from specstream.engine.drafting import DRAFTING
+
+    prompts = _prompts((300, 280, 260, 240))
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    llm = LLM(tiny_target, mode="specstream", draft_model=tiny_draft, device_kv_bytes=2_000_000,
+              **OFFLOAD)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.close()
+
+    llm = LLM(tiny_target, mode="specstream", draft_model=tiny_draft, device_kv_bytes=2_000_000,
+              **OFFLOAD)
+    eng = llm.engine
+    events: list[str] = []
+    backend = eng.backend
+
+    @contextmanager
+    def draft_stream():  # type: ignore[no-untyped-def]
+        events.append("draft-stream")
+        yield "stream"
+
+    backend.draft_stream = draft_stream  # type: ignore[attr-defined]
+    backend.join = lambda stream: events.append(f"join {stream}")  # type: ignore[attr-defined]
+    real_restore = eng.store.restore_rows
+
+    def restore_rows(*a, **k):  # type: ignore[no-untyped-def]
+        events.append("copy")
+        return real_restore(*a, **k)
+
+    eng.store.restore_rows = restore_rows  # type: ignore[method-assign]
+    real_run = eng.worker.run
+
+    def run(plan):  # type: ignore[no-untyped-def]
+        events.append("step")
+        return real_run(plan)
+
+    eng.worker.run = run  # type: ignore[method-assign]
+    eng.worker.drafting = DRAFTING.get("draft-stream")(eng.tracer, backend)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.close()
+    assert got == want
+    drafted = [i for i, e in enumerate(events) if e == "draft-stream"]
+    assert drafted and events.count("join stream") == len(drafted)
+    # within a step that copies history, the draft steps were queued after its first copies
+    checked = 0
+    for i in drafted:
+        start = max(j for j in range(i) if events[j] == "step")
+        end = next((j for j in range(i, len(events)) if events[j] == "step"), len(events))
+        if "copy" in events[start:end]:
+            assert "copy" in events[start:i], events[start : i + 1]
+            checked += 1
+    assert checked >= 3

@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
@@ -47,6 +48,10 @@ class Drafting(ABC):
     @abstractmethod
     def end(self) -> float:
         """After the forward pass: finish the job; returns the seconds spent drafting."""
+
+    def copies_issued(self) -> None:  # noqa: B027
+        """The round's first copies of cold history are in flight: work that needs the host
+        for a while (enqueueing draft steps) may start without leaving the link idle."""
 
     def abort(self) -> None:  # noqa: B027
         """The forward pass failed: leave no draft work running into the next step."""
@@ -97,8 +102,14 @@ class InGaps(Drafting):
 @DRAFTING.register("draft-stream")
 class OnDraftStream(Drafting):
     def begin(self, job: ProposeJob | None) -> None:
-        self.job, self.stream = job, None
-        if job is None:
+        # enqueued once the round's first copies are issued (copies_issued), so the link does
+        # not wait for the host to enqueue the draft steps
+        self.job, self.enqueue_s = job, 0.0
+        self.stream: Any = None  # the CUDA backend's draft stream, once the steps are queued
+
+    def copies_issued(self) -> None:
+        job = self.job
+        if job is None or self.stream is not None:
             return
         streams = getattr(self.backend, "draft_stream", None)
         assert streams is not None, "draft-stream drafting needs the CUDA backend"
@@ -109,8 +120,10 @@ class OnDraftStream(Drafting):
         self.stream, self.enqueue_s = stream, time.perf_counter() - t0
 
     def end(self) -> float:
+        self.copies_issued()  # a step without a forward pass: enqueue now
         if self.stream is not None:
-            self.backend.join(self.stream)  # type: ignore[union-attr]
+            cuda: Any = self.backend  # the CUDA backend (its draft stream was used)
+            cuda.join(self.stream)
         return 0.0 if self.job is None else self.enqueue_s
 
 

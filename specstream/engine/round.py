@@ -11,6 +11,8 @@ the layer runs. Verification (``worker.py``) reads the returned hidden states.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from specstream.attention.waves import WaveAttention
@@ -25,10 +27,11 @@ from specstream.models.decoder import CausalLM
 @torch.no_grad()
 def run_round(
     model: CausalLM, plan: StepPlan, store: KVStore, history: HistorySource, gap: Gap | None,
-    attention: type[WaveAttention],
+    attention: type[WaveAttention], copies_issued: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, list[tuple[int, int]], dict[str, str]]:
     """Returns the final hidden states ``[num_tokens, hidden]``, each request's rows in them,
-    and the requests whose history could not be restored (request id -> message)."""
+    and the requests whose history could not be restored (request id -> message).
+    ``copies_issued`` runs once the first copies are in flight (the drafter's cue on CUDA)."""
     device = store.device.device
     ids = [t for s in plan.seqs for t in s.token_ids]
     pos = [p for s in plan.seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))]
@@ -39,6 +42,8 @@ def run_round(
     scale, kv_heads = store.cfg.head_dim**-0.5, store.cfg.num_kv_heads
     history.begin(plan, kv.groups)  # the first waves of cold history are in flight from here
     try:
+        if copies_issued is not None:
+            copies_issued()  # e.g. the other group's draft steps, enqueued on their stream
         for layer, block in enumerate(model.layers):
             q, k, v = block.qkv(x, cos, sin)  # q [n, heads, D]; k, v [n, kv_heads, D]
             kv.write(layer, k, v)

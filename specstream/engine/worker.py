@@ -188,7 +188,8 @@ class Worker:
     @torch.no_grad()
     def _forward_and_verify(self, plan: StepPlan, out: StepOutput) -> _Verdict | None:
         hidden, rows, failed = run_round(self.model, plan, self.store, self.history,
-                                         self.drafting.gap, self.attention)
+                                         self.drafting.gap, self.attention,
+                                         self.drafting.copies_issued)
         out.errors.update(failed)
         # rows whose logits are needed: the last token and every draft of sampling requests
         sampled = [i for i, s in enumerate(plan.seqs) if s.sample and s.request_id not in
