@@ -82,33 +82,38 @@ def recording() -> Iterator[RecordingBackend]:
 
 
 @pytest.mark.parametrize("buffers", [1, 2, 3])
-def test_chunk_stream_refills_a_buffer_only_after_its_attention(
+def test_chunk_stream_refills_a_region_only_after_its_attention(
     recording: RecordingBackend, buffers: int
 ) -> None:
+    """Every copy into a chunk region of the staging ring comes after the attention that read
+    the wave there before (queued), and the copies of one wave come in one run; narrow waves
+    (one request) take one region each, wide ones two."""
     store = tiny_store(recording)
     source = ChunkStream(store, chunk_tokens=8, staging_buffers=buffers, wave_requests=2)
-    starts = {buf.data_ptr(): i for i, buf in enumerate(source.ring)}
-    slot_of = lambda ptr: max((p, i) for p, i in starts.items() if p <= ptr)[1]  # noqa: E731
+    base = source.ring.data_ptr()
+    region_bytes = source.ring[0, :2].numel() * source.ring.element_size()  # 2 blocks a chunk
+    region = lambda ptr: (ptr - base) // region_bytes  # noqa: E731  (K plane pointers)
     source.begin(plan(((0, 1), (2, 3), (4,)), ((5, 6),)), [[0, 1]])  # type: ignore[arg-type]
     for layer in range(store.cfg.num_layers):
         for _, k, _, _ in source.waves(layer):
-            recording.log.append(("attend", k.data_ptr(), True))  # attention queued
+            for w in range(k.shape[0]):  # the attention queued on every region it reads
+                recording.log.append(("attend", k[w].data_ptr(), True))
     source.end()
     assert all(after for kind, _, after in recording.log if kind == "copy")
-    state = ["free"] * buffers  # per ring slot: free -> filling -> read -> filling ...
+    state = ["free"] * (2 * buffers)  # per region: free -> filling -> read -> filling ...
     previous: tuple[str, int] = ("", -1)
     for kind, ptr, _ in recording.log:
-        s = slot_of(ptr)
-        if kind == "copy":  # the copies of one wave come in one run; a refill needs a read
-            assert state[s] != "filling" or previous == ("copy", s), "refilled before read"
-            state[s] = "filling"
+        r = region(ptr)
+        if kind == "copy":
+            assert state[r] != "filling" or previous == ("copy", r), "refilled before read"
+            state[r] = "filling"
         else:
-            assert state[s] == "filling"
-            state[s] = "read"
-        previous = (kind, s)
-    # chunk 0 of both requests is one wave; chunks 1 and 2 of the first are one each
-    num_waves = 3 * store.cfg.num_layers
-    assert sum(kind == "attend" for kind, _, _ in recording.log) == num_waves
+            assert state[r] == "filling"
+            state[r] = "read"
+        previous = (kind, r)
+    # chunk 0 of both requests is one wave (two regions); chunks 1 and 2 of the first one each
+    num_reads = 4 * store.cfg.num_layers
+    assert sum(kind == "attend" for kind, _, _ in recording.log) == num_reads
 
 
 def test_layer_restore_orders_every_copy_after_compute(recording: RecordingBackend) -> None:
@@ -229,3 +234,15 @@ def test_strided_copies_split_into_contiguous_pieces() -> None:
         d.copy_(s)
     assert torch.equal(host[:, :, 1], device[:, :, 4])
     assert len(_contiguous(host[0, 0, :2], device[0, 0, :2])) == 1  # a contiguous run: one
+
+
+def test_narrow_waves_keep_the_ring_full(recording: RecordingBackend) -> None:
+    """A ring of one full wave of two requests holds two one-request waves at once (a lone
+    prefill chunk's history streams with as many chunks in flight as a full wave's bytes)."""
+    store = tiny_store(recording)
+    source = ChunkStream(store, chunk_tokens=8, staging_buffers=1, wave_requests=2)
+    source.begin(plan(((0, 1), (2, 3), (4,))), [[0]])  # type: ignore[arg-type]
+    assert len(source.pending) == 2
+    for layer in range(store.cfg.num_layers):
+        assert sum(1 for _ in source.waves(layer)) == 3
+    source.end()

@@ -10,9 +10,10 @@ in one call, whatever the number of requests in it.
 - ``stream`` (SpecStream): for each layer, the j-th chunk of every request of a bucket (up to
   ``wave_requests`` of them) is one *chunk wave*: one batched copy into one staging slot, one
   event, one attention call that serves every query position of every request in it. All waves
-  of the step are queued up front, layer-major, through a ring of ``staging_buffers`` slots,
-  each sized for one wave (``wave_requests x chunk_tokens`` tokens of one layer); a slot is
-  refilled once the attention reading it was queued. Launches per step: layers x chunks, not
+  of the step are queued up front, layer-major, through a ring of ``staging_buffers`` full
+  waves (``staging_buffers x wave_requests`` chunk regions of ``chunk_tokens`` tokens of one
+  layer; a narrower wave takes fewer regions, so more of them fly at once); regions are refilled
+  once the attention reading them was queued. Launches per step: layers x chunks, not
   layers x requests x chunks; device memory for history stays fixed whatever its length.
 """
 
@@ -211,12 +212,15 @@ class ChunkStream(HistorySource):
         super().__init__(store, chunk_tokens, staging_buffers, wave_requests)
         cfg = store.cfg
         self.chunk_blocks = chunk_tokens // store.block_size
-        shape = (2, wave_requests * self.chunk_blocks, store.block_size, cfg.num_kv_heads,
+        # The ring holds staging_buffers x wave_requests chunk regions; a wave of w requests
+        # takes w consecutive ones, so narrow waves (a lone prefill chunk, a small bucket) keep
+        # as many chunks in flight as wide ones keep bytes.
+        self.num_regions = staging_buffers * wave_requests
+        shape = (2, self.num_regions * self.chunk_blocks, store.block_size, cfg.num_kv_heads,
                  cfg.head_dim)
-        # zeroed: a ragged wave leaves rows of a slot unwritten (masked, so finite is enough)
-        self.ring = [store.backend.alloc_device(shape, store.dtype).zero_()
-                     for _ in range(staging_buffers)]
-        self.ring_rows = [buf.transpose(0, 1) for buf in self.ring]  # as rows of blocks
+        # zeroed: a ragged wave leaves rows of a region unwritten (masked, so finite is enough)
+        self.ring = store.backend.alloc_device(shape, store.dtype).zero_()
+        self.ring_rows = self.ring.transpose(0, 1)  # as rows of blocks
         self.ring_bytes = staging_buffers * wave_requests * chunk_tokens * store.layer_token_bytes
         self.block_layer_bytes = store.block_size * store.layer_token_bytes
         self._link_free_at = 0.0
@@ -249,31 +253,46 @@ class ChunkStream(HistorySource):
         copies = self._plan_waves(plan, buckets)
         self.jobs: deque[tuple[int, _WaveCopy]] = deque(
             (layer, c) for layer in range(self.store.cfg.num_layers) for c in copies)
-        # issued, not consumed, in order: (layer, copy, slot, handle)
+        # issued, not consumed, in order: (layer, copy, first region, handle)
         self.pending: deque[tuple[int, _WaveCopy, int, TransferHandle]] = deque()
+        self.in_use: deque[tuple[int, int]] = deque()  # (first region, regions), issue order
+        self.head = 0  # where the next wave's regions start, if free
         self._link_free_at = 0.0
-        self.free_slots = deque(range(len(self.ring)))
         if self.jobs:
             self.peak_bytes = self.ring_bytes
         self._fill()
 
+    def _regions(self, count: int) -> int | None:
+        """The first of ``count`` free consecutive regions at the ring's head (from region 0
+        when the end is too short), or None while a wave still in flight holds them."""
+        start = self.head if self.head + count <= self.num_regions else 0
+        if any(s < start + count and start < s + n for s, n in self.in_use):
+            return None
+        return start
+
     def _fill(self) -> None:
-        while self.free_slots and self.jobs:
-            layer, copy = self.jobs.popleft()
-            slot = self.free_slots.popleft()
-            handle = self.store.restore_rows(layer, copy.index, self.ring_rows[slot], copy.tag,
-                                             copy.rows)
+        cb = self.chunk_blocks
+        while self.jobs:
+            layer, copy = self.jobs[0]
+            first = self._regions(copy.num_requests)
+            if first is None:
+                return
+            self.jobs.popleft()
+            self.in_use.append((first, copy.num_requests))
+            self.head = first + copy.num_requests
+            dst = self.ring_rows[first * cb : self.head * cb]
+            handle = self.store.restore_rows(layer, copy.index, dst, copy.tag, copy.rows)
             # when the link should be done with everything issued (from the rate estimate)
             start = max(time.perf_counter(), self._link_free_at)
             nbytes = copy.index.numel() * self.block_layer_bytes
             self._link_free_at = start + nbytes / self.link_bps
-            self.pending.append((layer, copy, slot, handle))
+            self.pending.append((layer, copy, first, handle))
 
     def waves(self, layer: int, while_waiting: Gap | None = None) -> Iterator[Wave]:
         cfg = self.store.cfg
         n = self.chunk_blocks * self.store.block_size
         while self.pending and self.pending[0][0] == layer:
-            _, copy, slot, handle = self.pending.popleft()
+            _, copy, first, handle = self.pending.popleft()
             if while_waiting is not None:
                 while_waiting(partial(_all_done, (handle,)), self._link_free_at)
             t0 = time.perf_counter()
@@ -282,12 +301,12 @@ class ChunkStream(HistorySource):
             except TransferError as exc:
                 self._fail(exc)
             self.wait_s += time.perf_counter() - t0
-            w = copy.num_requests
-            buf = self.ring[slot][:, : w * self.chunk_blocks]  # [2, w * cb, bs, kv, D]
+            w, cb = copy.num_requests, self.chunk_blocks
+            buf = self.ring[:, first * cb : (first + w) * cb]  # [2, w * cb, bs, kv, D]
             kv = buf.reshape(2, w, n, cfg.num_kv_heads, cfg.head_dim)
             yield copy.bucket, kv[0], kv[1], copy.shape
-            # the attention reading this slot is queued: refill it with the next wave
-            self.free_slots.append(slot)
+            # the attention reading these regions is queued: refill them with the next waves
+            self.in_use.popleft()
             self._fill()
 
     def end(self) -> None:
