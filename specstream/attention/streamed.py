@@ -27,7 +27,7 @@ from specstream.attention.reference import gqa_group
 NEG_INF = float("-inf")
 
 
-def _finite_or_zero(m: Tensor) -> Tensor:
+def finite_or_zero(m: Tensor) -> Tensor:
     """Replace -inf maxima by 0 so that `exp(x - m)` gives 0, not NaN, for all -inf rows."""
     return torch.where(torch.isneginf(m), torch.zeros_like(m), m)
 
@@ -63,7 +63,7 @@ def partial_attention(
         scores4 = scores.view(num_kv_heads, group, num_q, num_k)
         scores4.masked_fill_(~mask.to(device=scores.device, dtype=torch.bool), NEG_INF)
 
-    m = _finite_or_zero(scores.amax(dim=-1, keepdim=True))  # [kv, group*num_q, 1]
+    m = finite_or_zero(scores.amax(dim=-1, keepdim=True))  # [kv, group*num_q, 1]
     p = torch.exp(scores.sub_(m))  # masked keys: exp(-inf) = 0
     denom = p.sum(dim=-1, keepdim=True)  # [kv, group*num_q, 1]
     out = torch.matmul(p, vf)  # [kv, group*num_q, D]
@@ -83,7 +83,7 @@ def merge_partials(
 ) -> tuple[Tensor, Tensor]:  # out [num_q, num_heads, head_dim] fp32, lse [num_q, num_heads] fp32
     """Exact merge of two partial results over disjoint key sets (either side may be -inf)."""
     lse_a, lse_b = lse_a.float(), lse_b.float()
-    m = _finite_or_zero(torch.maximum(lse_a, lse_b))
+    m = finite_or_zero(torch.maximum(lse_a, lse_b))
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)  # in [0, 1]; one of them is 1 if any
     total = w_a + w_b
     safe = total.clamp_min(torch.finfo(torch.float32).tiny)
@@ -115,11 +115,11 @@ class AttentionAccumulator:
         self.num_chunks += 1
         if self._m is None or self._l is None or self._acc is None:
             self._m = lse  # the true running max: may stay -inf until a row sees a key
-            w = torch.exp(lse - _finite_or_zero(lse))  # 1, or 0 where lse = -inf
+            w = torch.exp(lse - finite_or_zero(lse))  # 1, or 0 where lse = -inf
             self._l, self._acc = w, out * w.unsqueeze(-1)
             return
         new_m = torch.maximum(self._m, lse)
-        m_safe = _finite_or_zero(new_m)
+        m_safe = finite_or_zero(new_m)
         old_w, w = torch.exp(self._m - m_safe), torch.exp(lse - m_safe)
         self._l = self._l * old_w + w
         self._acc = self._acc * old_w.unsqueeze(-1) + out * w.unsqueeze(-1)
@@ -174,7 +174,7 @@ class ChunkedAttention:
             s.view(kv, group, num_q, n).masked_fill_(
                 ~mask.to(device=s.device, dtype=torch.bool), NEG_INF)
             m = s.amax(dim=-1, keepdim=True)
-            p = s.sub_(_finite_or_zero(m)).exp_()
+            p = s.sub_(finite_or_zero(m)).exp_()
         else:
             m = s.amax(dim=-1, keepdim=True)
             p = s.sub_(m).exp_()
@@ -184,7 +184,7 @@ class ChunkedAttention:
             self.m, self.l, self.acc = m, l_c, o_c
             return
         new_m = torch.maximum(self.m, m)
-        base = _finite_or_zero(new_m) if self.masked else new_m
+        base = finite_or_zero(new_m) if self.masked else new_m
         w_old, w_new = torch.exp(self.m - base), torch.exp(m - base)
         self.l = self.l.mul_(w_old).add_(l_c.mul_(w_new))
         self.acc = self.acc.mul_(w_old).add_(o_c.mul_(w_new))
@@ -195,7 +195,7 @@ class ChunkedAttention:
         if self.m is None or self.l is None:
             raise RuntimeError("ChunkedAttention.lse() before any chunk")
         num_q, kv, group, _ = self.shape
-        lse = (_finite_or_zero(self.m) + torch.log(self.l)).view(kv, group, num_q)
+        lse = (finite_or_zero(self.m) + torch.log(self.l)).view(kv, group, num_q)
         return lse.permute(2, 0, 1).reshape(num_q, kv * group)
 
     def result(self, dtype: torch.dtype | None = None) -> Tensor:  # [num_q, num_heads, head_dim]

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from specstream.attention.reference import gqa_group
+from specstream.attention.streamed import finite_or_zero
 
 try:
     import triton
@@ -74,7 +75,7 @@ def _check_wave(
     return gqa_group(num_heads, k.shape[2])
 
 
-def _visible(
+def visible_keys(
     num_q: int,
     num_k: int,
     key_len: Tensor,  # [W]
@@ -104,10 +105,10 @@ def wave_attention_torch(
     kf = k.float().repeat_interleave(group, dim=2)  # [W, N, num_heads, D]
     vf = v.float().repeat_interleave(group, dim=2)  # [W, N, num_heads, D]
     scores = torch.einsum("wphd,wnhd->whpn", q.float(), kf) * scale  # [W, H, P, N]
-    vis = _visible(q.shape[1], num_k, key_len, causal_offset)  # [W, P, N]
+    vis = visible_keys(q.shape[1], num_k, key_len, causal_offset)  # [W, P, N]
     scores = scores.masked_fill(~vis.unsqueeze(1), NEG_INF)
     lse = torch.logsumexp(scores, dim=-1)  # [W, H, P]; -inf where no key is visible
-    finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    finite = finite_or_zero(lse)
     probs = torch.exp(scores - finite.unsqueeze(-1))  # masked keys and empty rows: 0
     out = torch.einsum("whpn,wnhd->wphd", probs, vf)  # [W, P, H, D]
     return out, lse.permute(0, 2, 1).contiguous()

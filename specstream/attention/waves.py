@@ -25,7 +25,12 @@ import torch
 from torch import Tensor
 
 from specstream.attention.reference import gqa_group
-from specstream.attention.triton_wave import triton_available, wave_attention_triton
+from specstream.attention.streamed import finite_or_zero
+from specstream.attention.triton_wave import (
+    triton_available,
+    visible_keys,
+    wave_attention_triton,
+)
 from specstream.backends.base import upload
 from specstream.registry import Registry
 
@@ -69,13 +74,9 @@ class WaveShape:
             return None
         key = (group, num_q, num_k)
         if key not in self._masks:
-            cols = torch.arange(num_k, device=self.key_len.device)
-            vis = (cols[None, None, :] < self.key_len[:, None, None]).expand(-1, num_q, -1)
-            if self.causal_offset is not None:
-                last = self.causal_offset[:, None] + torch.arange(num_q, device=cols.device)
-                vis = vis & (cols[None, None, :] <= last[:, :, None])
+            vis = visible_keys(num_q, num_k, self.key_len, self.causal_offset)  # [W, P, N]
             vis = vis[:, None].expand(-1, group, -1, -1).reshape(-1, 1, group * num_q, num_k)
-            self._masks[key] = torch.zeros(vis.shape, device=cols.device).masked_fill_(
+            self._masks[key] = torch.zeros(vis.shape, device=vis.device).masked_fill_(
                 ~vis, NEG_INF)
         return self._masks[key]
 
@@ -86,8 +87,7 @@ def merge(outs: list[Tensor], lses: list[Tensor]) -> Tensor:
     if len(outs) == 1:
         return outs[0]
     lse = torch.stack(lses)  # [C, ...]
-    m = lse.amax(dim=0)
-    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    m = finite_or_zero(lse.amax(dim=0))
     w = torch.exp(lse - m)  # [C, ...]; 0 for partials that saw no key
     acc = (torch.stack(outs) * w.unsqueeze(-1)).sum(dim=0)
     return acc / w.sum(dim=0).clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
@@ -151,8 +151,7 @@ class TorchWaves(WaveAttention):
             if mask is not None:
                 s = s.add_(mask)
             lse = torch.logsumexp(s, dim=-1)
-            finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-            out = torch.matmul(torch.exp(s - finite.unsqueeze(-1)), vt)
+            out = torch.matmul(torch.exp(s - finite_or_zero(lse).unsqueeze(-1)), vt)
         self._keep(out, lse, shape.index)
 
     def result(self) -> Tensor:

@@ -135,7 +135,7 @@ class MultiHandle(TransferHandle):
 class TransferBackend(ABC):
     """Copies between host tensors and device tensors, with priorities, stats and fault hooks.
 
-    Subclasses record each finished copy with `_record`, and consult `_should_fail(tag)` when a
+    Subclasses record each finished copy with `_record`, and consult `_failing(tag)` when a
     copy is submitted. Failures are reported through the handle, never by killing a worker.
     """
 
@@ -283,9 +283,6 @@ class TransferBackend(ABC):
         """Remove every injected failure predicate."""
         with self._lock:
             self._fail_predicates.clear()
-
-    def _should_fail(self, tag: object) -> bool:
-        return self._failing(tag) is not None
 
     def _failing(self, tag: object) -> object | None:
         """The tag an injected failure reports for a copy tagged ``tag``, or None: for a

@@ -60,11 +60,10 @@ class StepKV:
             row += n
         self.slot_blocks = to_device(blocks, torch.long, device)
         self.slot_offsets = to_device(offsets, torch.long, device)
-        self.groups = buckets_of([len(s.token_ids) for s in plan.seqs])
         self.buckets: list[Bucket] = []
         out_index = [0] * row
         base = 0
-        for members in self.groups:
+        for members in buckets_of([len(s.token_ids) for s in plan.seqs]):
             seqs = [plan.seqs[i] for i in members]
             p = max(len(s.token_ids) for s in seqs)
             q_index, tail_blocks, tail_len, offset = [], [], [], []
@@ -89,6 +88,11 @@ class StepKV:
                 only[0] if consecutive else -1, tb * bs,
                 WaveShape.build(None, tail_len, tb * bs, offset, device)))
         self.out_index = to_device(out_index, torch.long, device)
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """The buckets' requests (indices into ``plan.seqs``)."""
+        return [b.members for b in self.buckets]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The new tokens' K and V (``[num_tokens, num_kv_heads, head_dim]``) into their

@@ -12,9 +12,8 @@ after their verification (``run_now``).
 - ``draft-stream`` (``gaps`` on CUDA): every draft step is enqueued at once on the backend's
   low-priority draft stream, as soon as the round's first copies are issued; the GPU's
   scheduler runs them in the gaps verification leaves, the host never polls a copy or times a
-  gap. Draft steps do not read
-  tensor values back (``spec/draft.py``), so enqueueing them costs no sync; the drafts come
-  back with the round's one read-back (``backends.sync_point``).
+  gap. Draft steps do not read tensor values back (``spec/draft.py``), so enqueueing them costs
+  no sync; the drafts come back with the round's one read-back (``backends.sync_point``).
 
 Reading a job's drafts back (``result``) is a host sync, marked with ``sync_point``.
 """

@@ -8,7 +8,7 @@ in one call, whatever the number of requests in it.
   the batch is on the device; the next layer's restore is issued while this one computes, so the
   link never waits on a competent schedule, but attention waits for the whole layer.
 - ``stream`` (SpecStream): for each layer, the j-th chunk of every request of a bucket (up to
-  ``wave_requests`` of them) is one *chunk wave*: one batched copy into one staging slot, one
+  ``wave_requests`` of them) is one *chunk wave*: one batched copy into the staging ring, one
   event, one attention call that serves every query position of every request in it. All waves
   of the step are queued up front, layer-major, through a ring of ``staging_buffers`` full
   waves (``staging_buffers x wave_requests`` chunk regions of ``chunk_tokens`` tokens of one
@@ -24,7 +24,6 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -45,10 +44,6 @@ SOURCES: Registry[type[HistorySource]] = Registry("history source")
 def make_source(name: str, store: KVStore, chunk_tokens: int, staging_buffers: int,
                 wave_requests: int = 8) -> HistorySource:
     return SOURCES.get(name)(store, chunk_tokens, staging_buffers, wave_requests)
-
-
-def _all_done(handles: tuple[TransferHandle, ...]) -> bool:
-    return all(h.done() for h in handles)
 
 
 def _failed_tags(exc: TransferError) -> list[object]:
@@ -82,7 +77,7 @@ class HistorySource(ABC):
     def begin(self, plan: StepPlan, buckets: list[list[int]]) -> None:
         """Issue what can be issued before the forward pass. ``buckets``: the step's requests
         (indices into ``plan.seqs``) as the round's query buckets."""
-        self.plan, self.buckets = plan, buckets
+        self.plan = plan
         self.failed = {}
         self.where = {i: (b, p) for b, members in enumerate(buckets)
                       for p, i in enumerate(members)}
@@ -294,7 +289,7 @@ class ChunkStream(HistorySource):
         while self.pending and self.pending[0][0] == layer:
             _, copy, first, handle = self.pending.popleft()
             if while_waiting is not None:
-                while_waiting(partial(_all_done, (handle,)), self._link_free_at)
+                while_waiting(handle.done, self._link_free_at)
             t0 = time.perf_counter()
             try:
                 handle.wait()

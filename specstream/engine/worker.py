@@ -185,7 +185,6 @@ class Worker:
             self.draft_probs[r.request_id] = prop.probs
 
     # ---- verification -------------------------------------------------------------------
-    @torch.no_grad()
     def _forward_and_verify(self, plan: StepPlan, out: StepOutput) -> _Verdict | None:
         hidden, rows, failed = run_round(self.model, plan, self.store, self.history,
                                          self.drafting.gap, self.attention,

@@ -103,11 +103,9 @@ def accept_drafts_on_device(
     dev = target_logits.device
     if draft_tokens.shape != (bsz, q):
         raise ValueError(f"draft_tokens shape {tuple(draft_tokens.shape)} != {(bsz, q)}")
-    counts = (num_drafts.tolist() if isinstance(num_drafts, Tensor) and not num_drafts.is_cuda
-              else num_drafts)
-    if isinstance(counts, Tensor):  # a device tensor: validating it costs a sync
-        counts = counts.tolist()
-    counts = [int(c) for c in counts]
+    # host values (reading a device tensor here would cost a sync)
+    counts = [int(c) for c in (num_drafts.tolist() if isinstance(num_drafts, Tensor)
+                               else num_drafts)]
     if len(counts) != bsz or any(not 0 <= c <= q for c in counts):
         raise ValueError(f"num_drafts must be [B] ints in [0, {q}], got {counts}")
     n_drafts = to_device(counts, torch.int64, dev)
@@ -121,7 +119,7 @@ def accept_drafts_on_device(
                               st.top_k.repeat_interleave(q_plus_1),
                               st.top_p.repeat_interleave(q_plus_1))
     else:
-        greedy_rows = [p.temperature == 0 or p.top_k == 1 for p in params]
+        greedy_rows = [p.greedy for p in params]
         temp = [p.temperature for p in params for _ in range(q_plus_1)]
         top_k = [p.top_k for p in params for _ in range(q_plus_1)]
         top_p = [p.top_p for p in params for _ in range(q_plus_1)]
