@@ -78,6 +78,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resident-tail-tokens", type=int, default=None,
                    help=f"newest tokens of a request kept on the device (default: "
                         f"{_default('resident_tail_tokens')})")
+    g.add_argument("--residency", choices=["fill", "tail"], default=None,
+                   help="offloading modes: 'fill' keeps as much of each request's newest "
+                        "history on the device as fits (equal shares) and streams the rest; "
+                        "'tail' keeps only the resident tail and streams everything older "
+                        f"(default: {_default('residency')})")
     g.add_argument("--offload-after-tokens", type=int, default=None,
                    help="a request's history moves to the host past this many tokens "
                         "(default: a quarter of the model's context, at most 8192)")
@@ -225,8 +230,16 @@ def _summary(llm: Any, out: Any, m: dict[str, Any], wall: float) -> str:
                      f"{m['acceptance_rate']:.2f}")
     lines.append(f"  link          {_mb(m['link_bytes_h2d'])} host->device (restores), "
                  f"{_mb(m['link_bytes_d2h'])} device->host (write-backs)")
-    offload = (f"; history past {policy.offload_after_tokens} tokens offloaded, newest "
-               f"{policy.resident_tail_tokens} kept on the device" if policy.offload else "")
+    if policy.fill:
+        offload = (f"; residency fill: every full block written through to the host, the "
+                   f"device keeps what fits (at least the newest {policy.resident_tail_tokens} "
+                   f"tokens); {_mb(m['link_bytes_per_round'])} of history per round (floor "
+                   f"{_mb(m['link_bytes_floor_per_round'])})")
+    elif policy.offload:
+        offload = (f"; history past {policy.offload_after_tokens} tokens offloaded, newest "
+                   f"{policy.resident_tail_tokens} kept on the device")
+    else:
+        offload = ""
     lines.append(f"  KV peaks      device {_mb(m['device_kv_peak_bytes'])} of a "
                  f"{_mb(m['device_kv_budget_bytes'])} budget, host "
                  f"{_mb(m['host_kv_peak_bytes'])}{offload}")

@@ -82,6 +82,13 @@ class EngineConfig:
     host_kv_bytes: int = 8 * GiB
     # Newest tokens of each request kept on the device (where new KV is written).
     resident_tail_tokens: int = 512
+    # Offloading modes: which history stays on the device. "fill": the device KV blocks that
+    # staging does not need hold the newest history of the running requests, shared equally
+    # (each keeps at least its resident tail); only what does not fit crosses the link, and the
+    # host tier holds every full block (written through once). "tail": each request keeps its
+    # resident tail once past offload_after_tokens and streams everything older (the paper's
+    # configuration; for ablations).
+    residency: str = "fill"
     # A request's history moves to the host once it passes this many tokens. None: derived
     # from the model by `default_offload_after` (a quarter of its context, at most 8192).
     offload_after_tokens: int | None = None
@@ -148,6 +155,8 @@ class EngineConfig:
         self._check_speculation(q)
         if self.draft_cache not in ("window", "full"):
             raise ValueError(f"draft_cache must be 'window' or 'full', got {self.draft_cache!r}")
+        if self.residency not in ("fill", "tail"):
+            raise ValueError(f"residency must be 'fill' or 'tail', got {self.residency!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', got "
                              f"{self.attention_backend!r}")

@@ -68,7 +68,7 @@ def tiny_store(backend: CpuBackend, num_layers: int = 3) -> KVStore:
 
 def plan(*chunks_per_seq: tuple[tuple[int, ...], ...]) -> SimpleNamespace:
     seqs = [SimpleNamespace(request_id=str(i), restore_chunks=c,
-                            host_tokens=4 * sum(len(x) for x in c))
+                            host_tokens=4 * sum(len(x) for x in c), promote=())
             for i, c in enumerate(chunks_per_seq)]
     # whole-layer restores hold two layers of history in pool blocks lent to the step
     return SimpleNamespace(seqs=seqs, restore_blocks=(0, 1))

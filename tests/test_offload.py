@@ -17,7 +17,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 def _manager(device_blocks=8, host_blocks=32, **policy) -> KVManager:
-    p = dict(offload=True, resident_tail_tokens=32, offload_after_tokens=64, chunk_tokens=48)
+    p = dict(offload=True, resident_tail_tokens=32, offload_after_tokens=64, chunk_tokens=48,
+             residency="tail")
     p.update(policy)
     return KVManager(16, device_blocks, host_blocks, OffloadPolicy(**p))
 

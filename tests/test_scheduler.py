@@ -22,7 +22,7 @@ def _offload_scheduler(**cfg) -> Scheduler:
                                     offload_after_tokens=64, resident_tail_tokens=32,
                                     chunk_tokens=64), **cfg})
     policy = OffloadPolicy(offload=True, resident_tail_tokens=32, offload_after_tokens=64,
-                           chunk_tokens=64)
+                           chunk_tokens=64, residency=config.residency)
     return Scheduler(config, KVManager(16, 256, 256, policy), max_model_len=4096,
                      eos_token_ids=[EOS])
 
@@ -154,7 +154,8 @@ def test_errors_fail_their_request_and_a_missing_output_is_retried() -> None:
 
 
 def test_tails_past_the_threshold_are_written_back() -> None:
-    sched = _offload_scheduler(mode="offload", proposer=None, num_speculative_tokens=None)
+    sched = _offload_scheduler(mode="offload", proposer=None, num_speculative_tokens=None,
+                               residency="tail")
     sched.add(Request("r", list(range(3, 103)), SamplingParams(max_tokens=8)))
     moves = {}
     while sched.requests["r"].in_prefill:
@@ -172,7 +173,8 @@ def test_decode_write_backs_ride_along_the_next_step() -> None:
     """A decode round that pushes the tail past its budget plans the copies for the next step
     (they overlap its round, and the tail blocks are attended on the device meanwhile); a prefill
     chunk's copies are made before the next chunk, which needs the room."""
-    sched = _offload_scheduler(mode="offload", proposer=None, num_speculative_tokens=None)
+    sched = _offload_scheduler(mode="offload", proposer=None, num_speculative_tokens=None,
+                               residency="tail")
     sched.add(Request("r", list(range(3, 40)), SamplingParams(max_tokens=80, ignore_eos=True)))
     plan = sched.schedule()  # the whole 37-token prompt: below the 64-token threshold
     update = sched.update(plan, _emit(plan))

@@ -15,6 +15,10 @@ in one call, whatever the number of requests in it.
   layer; a narrower wave takes fewer regions, so more of them fly at once); regions are refilled
   once the attention reading them was queued. Launches per step: layers x chunks, not
   layers x requests x chunks; device memory for history stays fixed whatever its length.
+
+Both copy the blocks a request promotes (``SeqWork.promote``: its residency share grew) from
+where they landed into the request's new device blocks, layer by layer as they pass: the window
+widens without a byte more on the link.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from specstream.attention.waves import WaveShape
-from specstream.backends.base import BatchTag, TransferError, TransferHandle
+from specstream.backends.base import BatchTag, TransferError, TransferHandle, to_device
 from specstream.engine.step import StepPlan
 from specstream.kvcache.storage import KVStore
 from specstream.registry import Registry
@@ -173,6 +177,7 @@ class LayerRestore(HistorySource):
                     self._fail(exc)
         self.wait_s += time.perf_counter() - t0
         self._issue(layer + 1)
+        self._promote(layer)
         cfg, bs = self.store.cfg, self.store.block_size
         for i, seq in enumerate(self.plan.seqs):
             if not seq.host_tokens or seq.request_id in self.failed:
@@ -181,6 +186,21 @@ class LayerRestore(HistorySource):
                 kv = self.store.device[plane, :, first : first + length]  # [2, n, bs, kv, D]
                 kv = kv.reshape(2, 1, length * bs, cfg.num_kv_heads, cfg.head_dim)
                 yield self.where[i][0], kv[0], kv[1], self._shape(layer, i, r, length * bs)
+
+    def _promote(self, layer: int) -> None:
+        """Copy this layer of promoted blocks from the lent slots into their device blocks."""
+        device = self.store.device
+        for i, seq in enumerate(self.plan.seqs):
+            if not seq.promote or seq.request_id in self.failed:
+                continue
+            n = sum(len(c) for c in seq.restore_chunks)
+            lo = n - len(seq.promote)  # the first promoted history block
+            for t, length, plane, first in self._runs(layer, i):
+                a, b = max(t, lo), min(t + length, n)
+                if a >= b:
+                    continue
+                dst = to_device(seq.promote[a - lo : b - lo], torch.long, device.device)
+                device[layer].index_copy_(1, dst, device[plane, :, first + a - t : first + b - t])
 
     def end(self) -> None:
         self.handles = {}
@@ -196,6 +216,9 @@ class _WaveCopy:
     shape: WaveShape
     tag: BatchTag
     num_requests: int
+    # promoted blocks in the wave: their rows in the wave's regions, and their device blocks
+    promote_rows: torch.Tensor | None = None
+    promote_dst: torch.Tensor | None = None
 
 
 @SOURCES.register("stream")
@@ -235,12 +258,22 @@ class ChunkStream(HistorySource):
                     ragged = any(n != cb for n in lens)
                     rows = ([w * cb + t for w, n in enumerate(lens) for t in range(n)]
                             if ragged else None)
+                    p_rows, p_dst = [], []
+                    for w, p in enumerate(part):
+                        s = plan.seqs[members[p]]
+                        lo = sum(len(c) for c in s.restore_chunks) - len(s.promote)
+                        for t in range(lens[w]):
+                            if j * cb + t >= lo:
+                                p_rows.append(w * cb + t)
+                                p_dst.append(s.promote[j * cb + t - lo])
                     copies.append(_WaveCopy(
                         b, torch.tensor([x for c in chunks for x in c], dtype=torch.long),
                         None if rows is None else torch.tensor(rows, dtype=torch.long),
                         WaveShape.build(None if part == list(range(len(members))) else part,
                                         [n * bs for n in lens], cb * bs, None, device),
-                        BatchTag(plan.seqs[members[p]].request_id for p in part), len(part)))
+                        BatchTag(plan.seqs[members[p]].request_id for p in part), len(part),
+                        to_device(p_rows, torch.long, device) if p_rows else None,
+                        to_device(p_dst, torch.long, device) if p_dst else None))
         return copies
 
     def begin(self, plan: StepPlan, buckets: list[list[int]]) -> None:
@@ -298,6 +331,10 @@ class ChunkStream(HistorySource):
             self.wait_s += time.perf_counter() - t0
             w, cb = copy.num_requests, self.chunk_blocks
             buf = self.ring[:, first * cb : (first + w) * cb]  # [2, w * cb, bs, kv, D]
+            if copy.promote_dst is not None and copy.promote_rows is not None:
+                # queued before the regions are refilled (the next _fill)
+                self.store.device[layer].index_copy_(
+                    1, copy.promote_dst, buf.index_select(1, copy.promote_rows))
             kv = buf.reshape(2, w, n, cfg.num_kv_heads, cfg.head_dim)
             yield copy.bucket, kv[0], kv[1], copy.shape
             # the attention reading these regions is queued: refill them with the next waves

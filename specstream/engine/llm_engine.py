@@ -68,6 +68,7 @@ class LLMEngine:
             resident_tail_tokens=config.resident_tail_tokens,
             offload_after_tokens=layout.offload_after_tokens,
             chunk_tokens=config.chunk_tokens,
+            residency=config.residency,
         )
         self.kv = KVManager(config.block_size, layout.num_device_blocks, layout.num_host_blocks,
                             policy)
@@ -149,14 +150,33 @@ class LLMEngine:
         and the engine goes on with the rest.
         """
         plan = self.scheduler.schedule()
+        residency = self._residency(plan)
         output = self._run(plan)
         update = self.scheduler.update(plan, output)
         if update.writebacks:
             errors = self.worker.writeback(update.writebacks)
             self.scheduler.complete_writebacks(update.writebacks, errors)
         self.stats.generated_tokens += update.num_appended
-        self._account(plan, output)
+        self._account(plan, output, *residency)
         return self._outputs(update.touched)
+
+    def _residency(self, plan: StepPlan) -> tuple[int, float]:
+        """The step's history floor (bytes of its requests' history that cannot be resident
+        given the device budget: with K tokens of KV in all running requests and room for C on
+        the device, a 1 - C/K share of every request's history must cross the link, whichever
+        requests keep what) and the fraction of device KV blocks holding history."""
+        kv, bs = self.kv, self.config.block_size
+        held = 0
+        total = 0
+        for seq in kv.seqs.values():
+            total += seq.num_tokens
+            held += -(-(seq.num_tokens - seq.first * bs) // bs)
+        num_blocks = kv.device.num_blocks
+        capacity = num_blocks * bs
+        history = sum(s.start_pos for s in plan.seqs)
+        share = max(0.0, 1.0 - capacity / total) if total else 0.0
+        floor = int(history * share) * self.store.block_bytes // bs
+        return floor, held / num_blocks if num_blocks else 0.0
 
     def _run(self, plan: StepPlan) -> StepOutput:
         t0 = time.perf_counter()
@@ -177,9 +197,11 @@ class LLMEngine:
                 self.scheduler.requests.pop(r.request_id, None)
         return outputs
 
-    def _account(self, plan: StepPlan, result: StepOutput) -> None:
+    def _account(self, plan: StepPlan, result: StepOutput, history_floor: int = 0,
+                 kv_held: float = 0.0) -> None:
         """Fold one step's link records, timings and speculation into the stats; a decode step
-        (one that verifies or drafts) also gets a round record."""
+        (one that verifies or drafts) also gets a round record. ``history_floor`` and
+        ``kv_held``: see ``_residency``."""
         st = self.stats
         for s in plan.seqs:
             new = result.new_tokens.get(s.request_id)
@@ -202,8 +224,11 @@ class LLMEngine:
                 cur = (cur[0], max(cur[1], r.end))
         busy += cur[1] - cur[0]
         nbytes = sum(r.nbytes for r in records)
+        history = sum(r.nbytes for r in records if r.direction == "h2d")
         self.history.observe_link(nbytes, busy)
         wall = end - result.start
+        st.step_wall_s += wall
+        st.kv_history_block_s += kv_held * wall
         compute = wall - result.wait_s
         st.steps += 1
         st.link_busy_s += busy
@@ -217,6 +242,8 @@ class LLMEngine:
         link_floor = nbytes / self._link_rate()
         if decode:
             st.decode_steps += 1
+            st.decode_history_bytes += history
+            st.decode_history_floor_bytes += history_floor
             st.decode_time_s += wall
             st.decode_link_busy_s += busy
             st.decode_link_floor_s += link_floor
@@ -232,7 +259,8 @@ class LLMEngine:
             new_tokens=sum(len(result.new_tokens.get(s.request_id, ())) for s in plan.seqs
                            if s.sample and not s.prefill),
             draft_tokens=sum(len(d) for d in result.drafts.values()),
-            draft_seqs=len(result.drafts), link_floor_s=link_floor,
+            draft_seqs=len(result.drafts), link_floor_s=link_floor, history_bytes=history,
+            history_floor_bytes=history_floor,
         ))
         if decode:
             self.tracer.add("round", "round", result.start, end)

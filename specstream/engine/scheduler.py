@@ -8,6 +8,12 @@ worker's :class:`StepOutput` back into the requests: emitted tokens and stop che
 Admission reserves, per request, the device blocks its resident tail can ever need and the host
 blocks its history can ever need (prompt + max_tokens), so an admitted request never runs out of
 memory mid-way: when memory runs short new requests wait; nothing admitted is dropped.
+
+With ``residency = "fill"`` the device blocks nobody reserved are not left idle: before each
+step ``_rebalance`` shares them among the running requests as residency targets (equal shares,
+``kvcache.manager.residency_targets``); a request over its target drops its oldest device
+blocks (they have host copies), one well under it gets some of its streamed blocks promoted
+back as they pass.
 """
 
 from __future__ import annotations
@@ -15,12 +21,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specstream.config import EngineConfig
 from specstream.engine.request import Request, Status
 from specstream.engine.step import DraftWork, SeqWork, StepOutput, StepPlan, StepUpdate, Writebacks
-from specstream.kvcache.manager import KVManager
+from specstream.kvcache.manager import KVManager, residency_targets
 
 
 @dataclass
@@ -68,6 +74,10 @@ class Scheduler:
         spec = config.mode_spec
         self.two_groups = config.speculative and spec.two_groups
         self._parity = 0
+        # `fill`: what the step needs beyond the shares, counted by _rebalance before it
+        # allocates anything: restore-mode room for its history (pool blocks lent to it) and
+        # the decode rounds' new blocks
+        self._step_room = 0
 
     # ---- admission ----------------------------------------------------------------------
     @property
@@ -84,13 +94,16 @@ class Scheduler:
         total = len(req.prompt_token_ids) + req.params.max_tokens
         bs, p = self.config.block_size, self.kv.policy
         step = self.config.q + 1
-        if p.offload:
+        if p.fill:  # the tail is the minimum; blocks beyond it are shared (_rebalance)
+            tail = min(p.resident_tail_tokens + bs, total) + step
+        elif p.offload:
             tail = max(min(total, p.offload_after_tokens), p.resident_tail_tokens + bs) + step
             tail = min(tail, total + step)
         else:
             tail = total + step
-        host = self.kv.host_blocks_needed(total)
-        return _Reservation(-(-tail // bs) + 1, host, self._restore_blocks(host))
+        streamed = max(0, (total - p.resident_tail_tokens) // bs) if p.offload else 0
+        return _Reservation(-(-tail // bs) + 1, self.kv.host_blocks_needed(total),
+                            self._restore_blocks(streamed))
 
     def _restore_blocks(self, host_blocks: int) -> int:
         """Pool blocks that hold two layers of ``host_blocks`` blocks of history."""
@@ -100,8 +113,10 @@ class Scheduler:
     def _outstanding(self) -> int:
         """Blocks that admitted requests may still claim from the free pool."""
         held = {rid: len(s.device_blocks) for rid, s in self.kv.seqs.items()}
-        return sum(max(0, r.device_blocks - held.get(rid, 0)) + r.restore_blocks
-                   for rid, r in self._reserved.items())
+        tails = sum(max(0, r.device_blocks - held.get(rid, 0)) for rid, r in self._reserved.items())
+        if self.kv.policy.fill:  # the room this step's history needs, not the worst case
+            return tails + self._step_room
+        return tails + sum(r.restore_blocks for r in self._reserved.values())
 
     def _prefill_room(self, req: Request) -> int:
         """Tokens a prefill chunk of ``req`` may write now without touching others' reserve."""
@@ -110,7 +125,7 @@ class Scheduler:
         held = len(seq.device_blocks) if seq else 0
         own = max(0, self._reserved[rid].device_blocks - held)
         blocks = own + max(0, self.kv.device.num_free - self._outstanding())
-        tail = req.num_computed_tokens - (len(seq.host_blocks) * bs if seq else 0)
+        tail = req.num_computed_tokens - (seq.first * bs if seq else 0)
         return blocks * bs + (held * bs - tail)
 
     def check_fits(self, req: Request) -> None:
@@ -158,6 +173,61 @@ class Scheduler:
             self.running.append(req)
         self.max_concurrency = max(self.max_concurrency, len(self.running))
 
+    # ---- residency (`fill`) ---------------------------------------------------------------
+    def _rebalance(self) -> None:
+        """Share the device blocks among the running requests: each keeps at least its
+        resident tail (and its blocks without a host copy); the rest of the pool, less this
+        step's working room (prefill scratch, the new tokens' blocks, restore-mode room for
+        the history that still streams), goes to equal shares. Requests over their share drop
+        their oldest blocks now; promotion of those under it happens once the step's
+        allocations are made (``_promote``)."""
+        kv, bs = self.kv, self.config.block_size
+        if not kv.policy.fill:
+            return
+        reqs = [r for r in self.running if r.request_id in kv.seqs]
+        tail = -(-kv.policy.resident_tail_tokens // bs) + 1
+        floors, caps, growth = [], [], 0
+        for r in reqs:
+            seq = kv.seqs[r.request_id]
+            blocks = seq.first + len(seq.device_blocks)
+            if r.in_prefill:  # room for the whole prompt: its chunks land in the share
+                blocks = max(blocks, -(-len(r.prompt_token_ids) // bs))
+            else:
+                growth += kv.device_blocks_needed(r.request_id, self.config.q + 1)
+            pinned = len(seq.device_blocks) - seq.droppable
+            floors.append(min(blocks, max(tail, pinned)))
+            caps.append(blocks)
+        pool = kv.device.num_blocks - growth
+        if self.waiting or any(r.in_prefill for r in self.running):
+            pool -= self.scratch_blocks
+        layers = self.restore_layers
+
+        def room(targets: list[int]) -> int:  # lent blocks for the history that streams
+            streamed = sum(c - t for c, t in zip(caps, targets))
+            return -(-2 * streamed // layers) if layers else 0
+
+        targets = residency_targets(floors, caps, pool, room if layers else None)
+        self._step_room = room(targets) + growth
+        for r, t in zip(reqs, targets):
+            kv.set_target(r.request_id, t)
+
+    def _promote(self, seqs: list[SeqWork]) -> list[SeqWork]:
+        """Give requests of the step well under their share device blocks for the newest of
+        their streamed blocks (the step copies them there as they pass). Hysteresis: only a
+        shortfall of at least an eighth of the share (two blocks at least) is worth it, so
+        residency does not churn as shares move by a block or two."""
+        kv = self.kv
+        if not kv.policy.fill:
+            return seqs
+        out = []
+        for s in seqs:
+            seq = kv.seqs[s.request_id]
+            short = (seq.target or 0) - len(seq.device_blocks)
+            if s.restore_chunks and short >= max(2, (seq.target or 0) // 8):
+                s = replace(s, promote=tuple(kv.plan_promotion(s.request_id, short)))
+            out.append(s)
+        return out
+
     # ---- one step -----------------------------------------------------------------------
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -181,6 +251,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self._admit()
+        self._rebalance()
         prefilling = self.two_groups and any(r.in_prefill for r in self.running)
         group = None if prefilling else self._verify_group()
         seqs: list[SeqWork] = []
@@ -223,7 +294,7 @@ class Scheduler:
                 num_drafts=len(drafts),
                 prefill=req.in_prefill,
                 sample=sample,
-                host_tokens=len(seq.host_blocks) * self.config.block_size,
+                host_tokens=seq.first * self.config.block_size,
                 device_blocks=tuple(seq.device_blocks),
                 restore_chunks=tuple(c.host_blocks for c in self.kv.restore_chunks(rid)),
                 params=req.params,
@@ -233,6 +304,7 @@ class Scheduler:
         # (the admitted requests' reservations keep them free)
         history = sum(len(c) for s in seqs for c in s.restore_chunks)
         lent = tuple(self.kv.device.allocate(self._restore_blocks(history))) if history else ()
+        seqs = self._promote(seqs)
         moving = tuple((rid, tuple(seq.moving)) for rid, seq in self.kv.seqs.items()
                        if seq.moving)
         return StepPlan(tuple(seqs), self._draft_work(seqs, prefilling), finished, lent, moving)
@@ -278,6 +350,9 @@ class Scheduler:
         and is scheduled again."""
         result = StepUpdate()
         self.kv.device.free(list(plan.restore_blocks))
+        for work in plan.seqs:  # promoted blocks the step's stream filled join the window
+            if work.promote and work.request_id in self.kv.seqs:
+                self.kv.complete_promotion(work.request_id, work.request_id not in output.errors)
         for rid, _ in plan.writebacks:  # copied during the step: the blocks join the host tier
             req = self.requests.get(rid)
             if req is None or req.finished:

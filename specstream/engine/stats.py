@@ -33,6 +33,8 @@ class RoundStats:
     draft_tokens: int  # draft tokens proposed in the step
     draft_seqs: int  # requests that drafted in the step
     link_floor_s: float  # link_bytes at the link's rate
+    history_bytes: int = 0  # host-to-device bytes of history (restored or streamed)
+    history_floor_bytes: int = 0  # the step's history that cannot be resident (see engine)
 
 
 @dataclass
@@ -62,6 +64,13 @@ class EngineStats:
     decode_link_busy_s: float = 0.0
     decode_link_floor_s: float = 0.0
     prefill_only_time_s: float = 0.0
+    # Residency: history bytes decode steps moved to the device, and the least they could
+    # have moved (the history that cannot be resident given the device budget); device KV
+    # blocks holding history x step seconds, and step seconds (for the time average).
+    decode_history_bytes: int = 0
+    decode_history_floor_bytes: int = 0
+    kv_history_block_s: float = 0.0
+    step_wall_s: float = 0.0
 
     def count_accepted(self, num_drafts: int, num_accepted: int) -> None:
         """One request's verification round."""
@@ -85,4 +94,10 @@ class EngineStats:
         d["link_utilization"] = self.decode_link_busy_s / dt if dt else 0.0
         floor = self.decode_link_floor_s
         d["decode_time_over_link_floor"] = dt / floor if floor else 0.0
+        steps = self.decode_steps
+        d["link_bytes_per_round"] = self.decode_history_bytes / steps if steps else 0.0
+        d["link_bytes_floor_per_round"] = (self.decode_history_floor_bytes / steps
+                                           if steps else 0.0)
+        d["device_kv_utilization"] = (self.kv_history_block_s / self.step_wall_s
+                                      if self.step_wall_s else 0.0)
         return d

@@ -28,12 +28,16 @@ class SeqWork:
     prefill: bool
     # Whether the step ends at the newest known token, so logits are sampled.
     sample: bool
-    # Host history tokens (a multiple of the block size) and the device blocks of the tail.
+    # Tokens read from the host tier (a multiple of the block size: everything before the
+    # device window) and the device blocks of the window (the rest, new tokens included).
     host_tokens: int
     device_blocks: tuple[int, ...]
-    # Host history as restore chunks of host block ids, oldest first.
+    # The host-read history as restore chunks of host block ids, oldest first.
     restore_chunks: tuple[tuple[int, ...], ...]
     params: SamplingParams = field(default_factory=SamplingParams)
+    # `fill`: device blocks for the newest len(promote) host-read blocks; the step copies those
+    # blocks there as they pass (restored or streamed), and they join the window after it.
+    promote: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,39 @@
 """Offload manager: which KV blocks of which request live where. Pure Python, no tensors.
 
-Every request's KV is a list of fixed-size blocks. The oldest full blocks may live in the host
-tier (``host_blocks``); the newest tokens, where new KV is written, live in device blocks (the
-resident tail, ``device_blocks``). Token ``t`` of a request is in ``host_blocks[t // B]`` when
-``t < host_tokens``, else in ``device_blocks[(t - host_tokens) // B]``.
+Every request's KV is a list of fixed-size blocks, numbered from its first token. Two tiers hold
+them:
+
+- the host tier holds copies of blocks ``0 .. len(host_blocks) - 1`` (``host_blocks``): a block
+  is copied there once, device to host, when it is full (write-through), so shrinking a
+  request's device residency never needs a transfer;
+- the device holds blocks ``first .. first + len(device_blocks) - 1`` (``device_blocks``): the
+  request's newest history, where new KV is written. ``first <= len(host_blocks)``: every block
+  before the device window has a host copy, and those blocks reach attention over the link each
+  round (restored or streamed). Token ``t`` is read from the host when ``t < first * B``, else
+  from ``device_blocks[(t - first * B) // B]``.
+
+How many blocks a request keeps on the device is its *residency target*:
+
+- ``tail`` (the paper's configuration): the whole request until it passes
+  ``offload_after_tokens``, then its ``resident_tail_tokens`` newest tokens; a block is copied
+  to the host only when it leaves the window;
+- ``fill``: the scheduler shares the device blocks that staging does not need among the running
+  requests (``residency_targets``), so only the history that does not fit crosses the link.
 
 The manager plans movements; the transfer handler performs them:
-- ``plan_writeback``: once a request passes ``offload_after_tokens``, tail blocks beyond the
-  resident-tail budget are assigned host blocks (device to host copies, ``moving``). Until
-  ``complete_writeback`` they stay the head of the device tail (attended there while the copies
-  run); then they join the host history and their device blocks are freed.
-- ``restore_chunks``: the host history cut into chunks of ``chunk_tokens`` for one step (the
-  worker restores each chunk layer by layer).
+- ``plan_writeback``: full blocks without a host copy get host blocks (device-to-host copies,
+  ``moving``); ``complete_writeback`` records the copies and drops device blocks beyond the
+  target (``settle``).
+- ``plan_promotion``: a request whose target grew gets device blocks for the newest of its
+  streamed blocks; the step that streams them anyway copies them into those blocks as they pass
+  (no extra link bytes); ``complete_promotion`` moves the window's start back.
+- ``restore_chunks``: the blocks before the device window, cut into chunks of ``chunk_tokens``.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -78,12 +95,24 @@ class BlockAllocator:
 
 @dataclass
 class SeqBlocks:
+    # host copies of blocks 0 .. len(host_blocks) - 1
     host_blocks: list[int] = field(default_factory=list)
+    # device copies of blocks first .. first + len(device_blocks) - 1 (the newest)
     device_blocks: list[int] = field(default_factory=list)
-    num_tokens: int = 0  # tokens whose KV is stored (host + device)
-    # (device block, host block) copies planned and not completed: the first len(moving)
-    # device blocks, on their way to the host
+    first: int = 0
+    num_tokens: int = 0  # tokens whose KV is stored
+    # (device block, host block) copies planned and not completed: blocks len(host_blocks) ..
+    # len(host_blocks) + len(moving) - 1, still on the device
     moving: list[tuple[int, int]] = field(default_factory=list)
+    # device blocks receiving blocks first - len(promoting) .. first - 1 during a step
+    promoting: list[int] = field(default_factory=list)
+    # `fill`: device blocks the scheduler gave the request (None: no limit)
+    target: int | None = None
+
+    @property
+    def droppable(self) -> int:
+        """Device blocks with a host copy (the window's oldest), which may leave at no cost."""
+        return max(0, len(self.host_blocks) - self.first)
 
 
 @dataclass(frozen=True)
@@ -95,12 +124,50 @@ class RestoreChunk:
     num_tokens: int
 
 
+RESIDENCY = ("fill", "tail")
+
+
 @dataclass(frozen=True)
 class OffloadPolicy:
     offload: bool  # False: everything stays on the device (resident mode)
     resident_tail_tokens: int = 512
     offload_after_tokens: int = 8192
     chunk_tokens: int = 2048
+    residency: str = "fill"  # "fill" or "tail" (see the module docstring)
+
+    def __post_init__(self) -> None:
+        if self.residency not in RESIDENCY:
+            raise ValueError(f"residency must be one of {RESIDENCY}, got {self.residency!r}")
+
+    @property
+    def fill(self) -> bool:
+        return self.offload and self.residency == "fill"
+
+
+def residency_targets(floors: list[int], caps: list[int], capacity: int,
+                      cost: Callable[[list[int]], int] | None = None) -> list[int]:
+    """Equal shares of ``capacity`` device blocks, by water-filling: request ``i`` gets
+    ``max(floors[i], min(level, caps[i]))`` for the highest ``level`` whose total (plus
+    ``cost(targets)``, the room the targets leave others needing) fits. A request that needs
+    less than the level keeps all it needs; the rest share what is left equally. The floors
+    always hold (admission made room for them)."""
+    def targets(level: int) -> list[int]:
+        return [max(f, min(level, c)) for f, c in zip(floors, caps)]
+
+    def fits(level: int) -> bool:
+        t = targets(level)
+        return sum(t) + (cost(t) if cost is not None else 0) <= capacity
+
+    lo, hi = 0, max(caps, default=0)
+    if fits(hi):
+        return targets(hi)
+    while lo < hi:  # the highest level that fits (level 0 gives the floors)
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return targets(lo)
 
 
 class KVManager:
@@ -124,7 +191,8 @@ class KVManager:
 
     # ---- queries ------------------------------------------------------------------------
     def host_tokens(self, rid: str) -> int:
-        return len(self.seqs[rid].host_blocks) * self.block_size
+        """Tokens of ``rid`` read from the host tier (before its device window)."""
+        return self.seqs[rid].first * self.block_size
 
     def num_tokens(self, rid: str) -> int:
         return self.seqs[rid].num_tokens if rid in self.seqs else 0
@@ -132,20 +200,21 @@ class KVManager:
     def device_blocks_needed(self, rid: str, num_new: int) -> int:
         """Extra device blocks needed to append ``num_new`` tokens."""
         seq = self.seqs.get(rid) or SeqBlocks()
-        tail = seq.num_tokens - len(seq.host_blocks) * self.block_size + num_new
+        tail = seq.num_tokens - seq.first * self.block_size + num_new
         return max(0, -(-tail // self.block_size) - len(seq.device_blocks))
 
     def host_blocks_needed(self, total_tokens: int) -> int:
-        """Host blocks a request of ``total_tokens`` tokens eventually occupies (worst case)."""
+        """Host blocks a request of ``total_tokens`` tokens eventually occupies (worst case:
+        every full block; `tail` copies only those that leave its resident tail)."""
         if not self.policy.offload:
             return 0
-        keep = self.policy.resident_tail_tokens
+        keep = 0 if self.policy.fill else self.policy.resident_tail_tokens
         return max(0, (total_tokens - keep) // self.block_size)
 
     def device_slots(self, rid: str, start: int, num: int) -> list[tuple[int, int]]:
-        """(device block, offset) of tokens [start, start + num), which must be in the tail."""
+        """(device block, offset) of tokens [start, start + num), which must be in the window."""
         seq = self.seqs[rid]
-        base = len(seq.host_blocks) * self.block_size
+        base = seq.first * self.block_size
         out = []
         for t in range(start, start + num):
             rel = t - base
@@ -153,6 +222,20 @@ class KVManager:
                 raise ValueError(f"token {t} of {rid} is in the host tier")
             out.append((seq.device_blocks[rel // self.block_size], rel % self.block_size))
         return out
+
+    def target(self, rid: str) -> int | None:
+        """Device blocks ``rid`` may keep (None: all of them)."""
+        seq, p = self.seqs[rid], self.policy
+        if not p.offload:
+            return None
+        if p.fill:
+            return seq.target
+        if seq.num_tokens <= p.offload_after_tokens:
+            return None
+        # full blocks past the newest resident_tail_tokens tokens leave
+        window = seq.num_tokens - seq.first * self.block_size
+        return len(seq.device_blocks) - max(0, (window - p.resident_tail_tokens)
+                                            // self.block_size)
 
     # ---- allocation ---------------------------------------------------------------------
     def allocate(self, rid: str, num_new: int) -> None:
@@ -165,13 +248,12 @@ class KVManager:
     def commit(self, rid: str, num_tokens: int) -> None:
         """Set the stored token count (after a step; smaller = roll back rejected drafts)."""
         seq = self.seqs[rid]
-        host_tokens = len(seq.host_blocks) * self.block_size
-        if num_tokens < host_tokens:
+        if num_tokens < seq.first * self.block_size:
             raise ValueError(f"{rid}: cannot roll back into the host tier")
         seq.num_tokens = num_tokens
         if not self.policy.offload:
             return  # resident requests keep the blocks reserved at admission
-        keep = -(-(num_tokens - host_tokens) // self.block_size)
+        keep = -(-(num_tokens - seq.first * self.block_size) // self.block_size)
         if len(seq.device_blocks) > keep:
             self.device.free(seq.device_blocks[keep:])
             del seq.device_blocks[keep:]
@@ -179,47 +261,93 @@ class KVManager:
     def free(self, rid: str) -> None:
         seq = self.seqs.pop(rid, None)
         if seq is not None:
-            self.device.free(seq.device_blocks)
+            self.device.free(seq.device_blocks + seq.promoting)
             self.host.free(seq.host_blocks + [h for _, h in seq.moving])
+
+    # ---- residency ----------------------------------------------------------------------
+    def set_target(self, rid: str, blocks: int) -> None:
+        """`fill`: the device blocks ``rid`` may keep; the excess leaves now (``settle``)."""
+        self.seqs[rid].target = blocks
+        self.settle(rid)
+
+    def settle(self, rid: str) -> int:
+        """Drop device blocks beyond the request's target, oldest first, where a host copy
+        exists (no transfer); returns how many left."""
+        seq = self.seqs[rid]
+        target = self.target(rid)
+        if target is None:
+            return 0
+        drop = min(len(seq.device_blocks) - target, seq.droppable)
+        if drop <= 0:
+            return 0
+        self.device.free(seq.device_blocks[:drop])
+        del seq.device_blocks[:drop]
+        seq.first += drop
+        return drop
+
+    def plan_promotion(self, rid: str, num_blocks: int) -> list[int]:
+        """Device blocks for the newest ``num_blocks`` blocks before the window (a step that
+        streams them copies them there; ``complete_promotion`` then widens the window)."""
+        seq = self.seqs[rid]
+        n = min(num_blocks, seq.first, self.device.num_free)
+        if n <= 0 or seq.promoting:
+            return []
+        seq.promoting = self.device.allocate(n)
+        return list(seq.promoting)
+
+    def complete_promotion(self, rid: str, landed: bool = True) -> None:
+        """The step's stream filled ``rid``'s promoted blocks (``landed``), or did not."""
+        seq = self.seqs[rid]
+        if landed:
+            seq.first -= len(seq.promoting)
+            seq.device_blocks[:0] = seq.promoting
+        else:
+            self.device.free(seq.promoting)
+        seq.promoting = []
 
     # ---- movement plans -----------------------------------------------------------------
     def plan_writeback(self, rid: str) -> list[tuple[int, int]]:
         """(device block, host block) pairs to copy device to host (none while an earlier
         write-back of the request is still moving).
 
-        Only full blocks move, and the tail keeps at least ``resident_tail_tokens`` tokens. The
-        blocks stay the head of the device tail until ``complete_writeback``.
+        Only full blocks move. `fill` copies every full block (write-through); `tail` only
+        those past the resident tail once the request passes ``offload_after_tokens``. The
+        blocks stay on the device until ``complete_writeback``.
         """
         seq = self.seqs[rid]
         p = self.policy
-        if not p.offload or seq.moving or seq.num_tokens <= p.offload_after_tokens:
+        if not p.offload or seq.moving:
             return []
-        tail_tokens = seq.num_tokens - len(seq.host_blocks) * self.block_size
-        movable = (tail_tokens - p.resident_tail_tokens) // self.block_size
-        movable = min(movable, self.host.num_free)
+        start = len(seq.host_blocks)  # the first block without a host copy
+        end = seq.num_tokens // self.block_size  # past the last full block
+        if not p.fill:
+            if seq.num_tokens <= p.offload_after_tokens:
+                return []
+            end = min(end, (seq.num_tokens - p.resident_tail_tokens) // self.block_size)
+        movable = min(end - start, self.host.num_free)
         if movable <= 0:
             return []
-        seq.moving = list(zip(seq.device_blocks[:movable], self.host.allocate(movable)))
+        i = start - seq.first  # the window index of block `start`
+        seq.moving = list(zip(seq.device_blocks[i : i + movable], self.host.allocate(movable)))
         return list(seq.moving)
 
     def complete_writeback(self, rid: str) -> None:
-        """The copies of ``rid``'s moving blocks landed: they join its host history and their
-        device blocks are freed."""
+        """The copies of ``rid``'s moving blocks landed: they join its host history, and device
+        blocks beyond its target leave."""
         seq = self.seqs[rid]
-        n = len(seq.moving)
-        self.device.free(seq.device_blocks[:n])
-        del seq.device_blocks[:n]
         seq.host_blocks.extend(h for _, h in seq.moving)
         seq.moving = []
+        self.settle(rid)
 
     def restore_chunks(self, rid: str) -> list[RestoreChunk]:
-        """The host history of ``rid`` in chunks of at most ``chunk_tokens`` tokens."""
+        """The blocks of ``rid`` before its device window, in chunks of at most
+        ``chunk_tokens`` tokens."""
         seq = self.seqs.get(rid)
-        if seq is None or not seq.host_blocks:
+        if seq is None or not seq.first:
             return []
         per_chunk = max(1, self.policy.chunk_tokens // self.block_size)
         out = []
-        for i in range(0, len(seq.host_blocks), per_chunk):
-            blocks = tuple(seq.host_blocks[i : i + per_chunk])
+        for i in range(0, seq.first, per_chunk):
+            blocks = tuple(seq.host_blocks[i : min(i + per_chunk, seq.first)])
             out.append(RestoreChunk(blocks, i * self.block_size, len(blocks) * self.block_size))
         return out

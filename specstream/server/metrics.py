@@ -141,7 +141,10 @@ class ServerMetrics:
                     "kv_device_budget_bytes": e.get("device_kv_budget_bytes", 0),
                     "generation_tokens_per_second": tok_s,
                 },
-                "mean": {"link_utilisation": link_util, "engine_utilisation": engine_util},
+                "mean": {"link_utilisation": link_util, "engine_utilisation": engine_util,
+                         "link_bytes_per_round": e.get("link_bytes_per_round", 0.0),
+                         "link_bytes_floor_per_round": e.get("link_bytes_floor_per_round", 0.0),
+                         "device_kv_utilization": e.get("device_kv_utilization", 0.0)},
                 "counter": {
                     "prompt_tokens": e.get("prompt_tokens", 0),
                     "generation_tokens": e.get("generated_tokens", 0),
@@ -260,6 +263,15 @@ class MetricsExporter:
             what = "the host link was busy" if key.startswith("link") else "spent in engine steps"
             yield one("gauge", f"specstream_{key}",
                       f"Fraction of the last {RATE_WINDOW_S:g} s {what}.", m["mean"][key])
+        for key, help in (
+            ("link_bytes_per_round", "History bytes moved to the device per decode round, "
+                                     "since start."),
+            ("link_bytes_floor_per_round", "History bytes per decode round that cannot be "
+                                           "resident given the device KV budget, since start."),
+            ("device_kv_utilization", "Fraction of device KV blocks holding history, "
+                                      "time-averaged since start."),
+        ):
+            yield one("gauge", f"specstream_{key}", help, m["mean"][key])
         yield self.family("counter", "specstream_requests_finished",
                           "Engine requests finished, by finish reason.",
                           [({"finish_reason": k}, v) for k, v in sorted(m["finished"].items())])
