@@ -113,9 +113,14 @@ def test_restore_room_is_reserved_per_request(tiny_target, tiny_draft):
     ref, _ = _run(tiny_target, prompts, mode="resident", device_kv_bytes=16 << 20)
     kw = dict(mode="offload-spec", draft_model=tiny_draft, num_speculative_tokens=3,
               block_size=16, chunk_tokens=64, resident_tail_tokens=32, offload_after_tokens=64,
-              max_prefill_tokens=32)
+              max_prefill_tokens=32, residency="tail")
     tokens, m = _run(tiny_target, prompts, device_kv_bytes=1_000_000, **kw)
     assert tokens == ref
     assert m["max_concurrency"] == 1 and m["device_kv_peak_bytes"] <= 1_000_000
     with pytest.raises(ValueError, match="two restored layers"):
         _run(tiny_target, prompts, device_kv_bytes=400_000, **kw)
+    # `fill` reserves only the resident tail beyond the restore room: both fit at once, and
+    # the restored layers still stay within the budget
+    tokens, m = _run(tiny_target, prompts, device_kv_bytes=1_000_000, **{**kw, "residency": "fill"})
+    assert tokens == ref
+    assert m["max_concurrency"] == 2 and m["device_kv_peak_bytes"] <= 1_000_000

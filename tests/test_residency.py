@@ -51,9 +51,12 @@ def test_fill_writes_every_full_block_through_and_shrinks_without_a_transfer():
     # written through: both tiers hold blocks 0..5, nothing left the device (no target yet)
     assert len(seq.host_blocks) == 6 and len(seq.device_blocks) == 7 and kv.host_tokens("a") == 0
     assert kv.restore_chunks("a") == []
-    # a smaller share drops the oldest device copies: no copy planned, the window moves
+    # a smaller share: the blocks stay until the room is needed (hysteresis), then the oldest
+    # device copies leave: no copy planned, the window moves
     used = kv.device.num_used
     kv.set_target("a", 3)
+    assert len(seq.device_blocks) == 7 and kv.excess("a") == 4
+    assert kv.settle("a") == 4
     assert len(seq.device_blocks) == 3 and kv.device.num_used == used - 4
     assert kv.host_tokens("a") == 64 and kv.plan_writeback("a") == []
     chunks = kv.restore_chunks("a")
@@ -62,6 +65,7 @@ def test_fill_writes_every_full_block_through_and_shrinks_without_a_transfer():
     kv.allocate("a", 40)
     kv.commit("a", 140)  # blocks 6, 7 are full now, not yet copied
     kv.set_target("a", 1)
+    kv.settle("a")
     assert kv.host_tokens("a") == 96  # only the copied blocks 4, 5 left
     assert len(seq.device_blocks) == 3
     kv.free("a")
@@ -75,6 +79,7 @@ def test_promotion_widens_the_window_or_gives_its_blocks_back():
     kv.plan_writeback("a")
     kv.complete_writeback("a")
     kv.set_target("a", 2)
+    kv.settle("a")
     assert kv.host_tokens("a") == 80
     blocks = kv.plan_promotion("a", 3)
     assert len(blocks) == 3 and kv.host_tokens("a") == 80  # not before the step fills them

@@ -95,7 +95,7 @@ class Scheduler:
         bs, p = self.config.block_size, self.kv.policy
         step = self.config.q + 1
         if p.fill:  # the tail is the minimum; blocks beyond it are shared (_rebalance)
-            tail = min(p.resident_tail_tokens + bs, total) + step
+            tail = min(p.resident_tail_tokens, total) + step
         elif p.offload:
             tail = max(min(total, p.offload_after_tokens), p.resident_tail_tokens + bs) + step
             tail = min(tail, total + step)
@@ -111,20 +111,23 @@ class Scheduler:
         return -(-2 * host_blocks // layers) if layers else 0
 
     def _outstanding(self) -> int:
-        """Blocks that admitted requests may still claim from the free pool."""
+        """Blocks that admitted requests may still claim from the free pool (`tail`)."""
         held = {rid: len(s.device_blocks) for rid, s in self.kv.seqs.items()}
-        tails = sum(max(0, r.device_blocks - held.get(rid, 0)) for rid, r in self._reserved.items())
-        if self.kv.policy.fill:  # the room this step's history needs, not the worst case
-            return tails + self._step_room
-        return tails + sum(r.restore_blocks for r in self._reserved.values())
+        return sum(max(0, r.device_blocks - held.get(rid, 0)) + r.restore_blocks
+                   for rid, r in self._reserved.items())
 
     def _prefill_room(self, req: Request) -> int:
-        """Tokens a prefill chunk of ``req`` may write now without touching others' reserve."""
+        """Tokens a prefill chunk of ``req`` may write now without touching others' reserve
+        (`fill`: the free blocks beyond the step's working room, which _rebalance made at least
+        the prefill scratch)."""
         rid, bs = req.request_id, self.config.block_size
         seq = self.kv.seqs.get(rid)
         held = len(seq.device_blocks) if seq else 0
-        own = max(0, self._reserved[rid].device_blocks - held)
-        blocks = own + max(0, self.kv.device.num_free - self._outstanding())
+        if self.kv.policy.fill:
+            blocks = max(0, self.kv.device.num_free - self._step_room)
+        else:
+            own = max(0, self._reserved[rid].device_blocks - held)
+            blocks = own + max(0, self.kv.device.num_free - self._outstanding())
         tail = req.num_computed_tokens - (seq.first * bs if seq else 0)
         return blocks * bs + (held * bs - tail)
 
@@ -178,9 +181,13 @@ class Scheduler:
         """Share the device blocks among the running requests: each keeps at least its
         resident tail (and its blocks without a host copy); the rest of the pool, less this
         step's working room (prefill scratch, the new tokens' blocks, restore-mode room for
-        the history that still streams), goes to equal shares. Requests over their share drop
-        their oldest blocks now; promotion of those under it happens once the step's
-        allocations are made (``_promote``)."""
+        the history that still streams), goes to equal shares.
+
+        Hysteresis: a request over its share keeps its blocks until the step needs the room
+        (then those furthest over drop their oldest, which have host copies); one under its
+        share gets streamed blocks promoted once the step's allocations are made
+        (``_promote``). A share that moves by a block for a step, or a request that comes and
+        goes, moves no more blocks than the room it needs."""
         kv, bs = self.kv, self.config.block_size
         if not kv.policy.fill:
             return
@@ -210,23 +217,37 @@ class Scheduler:
         self._step_room = room(targets) + growth
         for r, t in zip(reqs, targets):
             kv.set_target(r.request_id, t)
+        # the step's working room must be free: those furthest over their share make it
+        self._free_up(kv.device.num_blocks - pool + self._step_room - growth)
 
     def _promote(self, seqs: list[SeqWork]) -> list[SeqWork]:
-        """Give requests of the step well under their share device blocks for the newest of
-        their streamed blocks (the step copies them there as they pass). Hysteresis: only a
-        shortfall of at least an eighth of the share (two blocks at least) is worth it, so
-        residency does not churn as shares move by a block or two."""
+        """Give requests of the step under their share device blocks for the newest of their
+        streamed blocks (the step copies them there as they pass: no link bytes)."""
         kv = self.kv
         if not kv.policy.fill:
             return seqs
         out = []
+        planned = {s.request_id for s in seqs}  # their windows are fixed for this step
         for s in seqs:
             seq = kv.seqs[s.request_id]
             short = (seq.target or 0) - len(seq.device_blocks)
-            if s.restore_chunks and short >= max(2, (seq.target or 0) // 8):
+            if s.restore_chunks and short > 0:
+                self._free_up(short, keep=planned)
                 s = replace(s, promote=tuple(kv.plan_promotion(s.request_id, short)))
             out.append(s)
         return out
+
+    def _free_up(self, blocks: int, keep: Collection[str] = ()) -> None:
+        """Make ``blocks`` device blocks free, as far as requests over their share can (those
+        furthest over drop their oldest first; none of ``keep``)."""
+        kv = self.kv
+        short = blocks - kv.device.num_free
+        for rid in sorted((r.request_id for r in self.running
+                           if r.request_id in kv.seqs and r.request_id not in keep),
+                          key=kv.excess, reverse=True):
+            if short <= 0:
+                break
+            short -= kv.drop(rid, min(short, kv.excess(rid)))
 
     # ---- one step -----------------------------------------------------------------------
     def has_work(self) -> bool:

@@ -266,24 +266,31 @@ class KVManager:
 
     # ---- residency ----------------------------------------------------------------------
     def set_target(self, rid: str, blocks: int) -> None:
-        """`fill`: the device blocks ``rid`` may keep; the excess leaves now (``settle``)."""
+        """`fill`: the device blocks ``rid`` should keep. Blocks beyond it stay until the room
+        is needed (``drop``, ``settle``): a share that dips for a step costs nothing."""
         self.seqs[rid].target = blocks
-        self.settle(rid)
+
+    def excess(self, rid: str) -> int:
+        """Device blocks ``rid`` holds beyond its target that may leave now."""
+        seq, target = self.seqs[rid], self.target(rid)
+        return 0 if target is None else max(0, min(len(seq.device_blocks) - target,
+                                                   seq.droppable))
 
     def settle(self, rid: str) -> int:
-        """Drop device blocks beyond the request's target, oldest first, where a host copy
-        exists (no transfer); returns how many left."""
+        """Drop every device block beyond the request's target (oldest first, only those with a
+        host copy: no transfer); returns how many left."""
+        return self.drop(rid, self.excess(rid))
+
+    def drop(self, rid: str, num_blocks: int) -> int:
+        """Drop up to ``num_blocks`` of the oldest device blocks that have a host copy."""
         seq = self.seqs[rid]
-        target = self.target(rid)
-        if target is None:
+        n = min(num_blocks, seq.droppable)
+        if n <= 0:
             return 0
-        drop = min(len(seq.device_blocks) - target, seq.droppable)
-        if drop <= 0:
-            return 0
-        self.device.free(seq.device_blocks[:drop])
-        del seq.device_blocks[:drop]
-        seq.first += drop
-        return drop
+        self.device.free(seq.device_blocks[:n])
+        del seq.device_blocks[:n]
+        seq.first += n
+        return n
 
     def plan_promotion(self, rid: str, num_blocks: int) -> list[int]:
         """Device blocks for the newest ``num_blocks`` blocks before the window (a step that
@@ -332,12 +339,13 @@ class KVManager:
         return list(seq.moving)
 
     def complete_writeback(self, rid: str) -> None:
-        """The copies of ``rid``'s moving blocks landed: they join its host history, and device
-        blocks beyond its target leave."""
+        """The copies of ``rid``'s moving blocks landed: they join its host history (`tail`:
+        and leave the device; `fill` keeps them until the room is needed)."""
         seq = self.seqs[rid]
         seq.host_blocks.extend(h for _, h in seq.moving)
         seq.moving = []
-        self.settle(rid)
+        if not self.policy.fill:
+            self.settle(rid)
 
     def restore_chunks(self, rid: str) -> list[RestoreChunk]:
         """The blocks of ``rid`` before its device window, in chunks of at most
