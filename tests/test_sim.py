@@ -42,9 +42,10 @@ def toy_costs(link_bw: float = 1e9, budget: float = 1e12) -> FittedCosts:
                        prefill=(PrefillFit(const_s=0.001), PrefillFit()))
 
 
-# streams everything (no threshold, no tail); rounds=4 for a clean steady state
+# streams everything (no threshold, no tail, and the fixed-tail residency: the toy device's
+# free memory would otherwise hold the history); rounds=4 for a clean steady state
 POLICY = SimPolicy(q=2, resident_tail=0, offload_threshold=0, chunk_tokens=1000, rounds=4,
-                   draft_window=None)
+                   draft_window=None, residency="tail")
 
 
 def test_builtin_profiles_match_public_shapes() -> None:

@@ -39,9 +39,13 @@ The bench writes one JSON object. The simulator reads two top-level keys; anythi
       "corun_slowdown": 0.05,                 # optional: measured verify slowdown with the
                                               #   draft co-running (default: policy's 0.05)
       "engine": {"chunk_tokens": 2048, "staging_buffers": 2, "resident_tail": 512,
-                 "offload_threshold": 8192, "draft_window": null, "groups": 2},
+                 "offload_threshold": 8192, "draft_window": null, "groups": 2,
+                 "residency": "fill"},
                                               # SimPolicy fields as the engine ran (others are
-                                              #   ignored); draft_window null = whole draft KV
+                                              #   ignored); draft_window null = whole draft KV;
+                                              #   residency absent = "tail" (files from before
+                                              #   "fill" existed), else the top-level
+                                              #   settings' "residency"
       "workload": {"context_lengths": [16384, 16384], "output_len": 64,
                    "num_requests": 8, "concurrency": 4, "arrival_rate": null},
       "q": 4,                                 # drafts per round the spec modes ran with
@@ -139,6 +143,7 @@ def scenario_from_calibration(cal: dict[str, Any]) -> Scenario:
     )
     known = SimPolicy.__dataclass_fields__
     engine = {k: v for k, v in cal.get("engine", {}).items() if k in known}
+    engine.setdefault("residency", "tail")  # calibrations from before "fill" existed
     if "corun_slowdown" in cal:
         engine["corun_slowdown"] = float(cal["corun_slowdown"])
     policy = SimPolicy(q=int(cal["q"]), **engine)
@@ -153,6 +158,13 @@ def scenario_from_calibration(cal: dict[str, Any]) -> Scenario:
                     label=f"calibrated on {cal.get('device', 'bench')}: {t['name']}+{d['name']}")
 
 
+def residency_of(data: dict[str, Any]) -> str:
+    """The residency a bench run used: its settings' (or calibration engine's) ``residency``;
+    "tail" when neither says, as every run made before ``fill`` existed."""
+    engine = data.get("calibration", {}).get("engine", {})
+    return str(data.get("settings", {}).get("residency") or engine.get("residency") or "tail")
+
+
 def load_bench(path: str | Path) -> tuple[Scenario, dict[str, dict[str, float]]]:
     """Read a bench JSON: (the calibrated scenario, the measured results per mode)."""
     with Path(path).open() as f:
@@ -160,9 +172,11 @@ def load_bench(path: str | Path) -> tuple[Scenario, dict[str, dict[str, float]]]
     if "calibration" not in data:
         raise ValueError(f"{path}: no top-level 'calibration' key (see calibrate.py)")
     cal = dict(data["calibration"])
-    kv_budget = data.get("settings", {}).get("device_kv_bytes")
+    settings = data.get("settings", {})
+    kv_budget = settings.get("device_kv_bytes")
     if "device_budget_covers" not in cal and kv_budget == cal.get("device_memory_bytes"):
         cal["device_budget_covers"] = "kv"
+    cal["engine"] = {**cal.get("engine", {}), "residency": residency_of(data)}
     return scenario_from_calibration(cal), dict(data.get("modes", {}))
 
 

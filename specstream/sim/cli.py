@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from specstream.sim.api import Scenario, simulate, sweep_contexts
 from specstream.sim.hardware import HARDWARE, get_hardware
 from specstream.sim.model_profile import MODELS, get_model
-from specstream.sim.policy import MODES, SimPolicy
-from specstream.sim.report import describe, results_table, verdict
+from specstream.sim.policy import MODES, OFFLOAD_MODES, RESIDENCIES, SimPolicy
+from specstream.sim.report import describe, residency_table, results_table, verdict
 from specstream.sim.workload import AcceptanceModel
 
 HELP = "predict every mode's throughput, latency and memory fit at datacenter scale"
@@ -22,6 +22,7 @@ EPILOG = """examples:
       --context 8192:0.5,32768:0.5 --arrival-rate 0.2 --plot-timeline round.png
   specstream simulate --calibrate bench.json        # predicted vs measured, per mode
   specstream simulate --paper-table                 # the table of docs/simulator.md
+  specstream simulate --context 32768 --concurrency 32 --compare-residency   # fill vs tail
 """
 
 
@@ -66,7 +67,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     e.add_argument("--resident-tail", type=int, default=512,
                    help="newest tokens of a request kept on the device")
     e.add_argument("--offload-threshold", type=int, default=8192,
-                   help="history moves to the host past this many tokens")
+                   help="tail residency: history moves to the host past this many tokens")
+    e.add_argument("--residency", choices=RESIDENCIES, default="fill",
+                   help="offload modes: 'fill' keeps the newest history of every running "
+                   "request in the device memory left over (water-filled shares, at least the "
+                   "tail) and streams only the rest; 'tail' keeps only the resident tail (the "
+                   "paper's configuration) (default: fill)")
     e.add_argument("--draft-window", default="4096", help="draft KV tokens kept, or 'all'")
     e.add_argument("--corun-slowdown", type=float, default=0.05,
                    help="fraction of a round the co-running draft may cost the target")
@@ -89,6 +95,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="with --calibrate: exit 1 if any |relative error| exceeds this")
     o.add_argument("--paper-table", action="store_true",
                    help="print the paper-settings table of docs/simulator.md")
+    o.add_argument("--compare-residency", action="store_true",
+                   help="simulate the scenario with both residencies; print link bytes per "
+                   "round and throughput per mode, tail against fill")
     p.set_defaults(func=run)
     return p
 
@@ -108,6 +117,7 @@ def _scenario(args: argparse.Namespace) -> Scenario:
         q=None if args.q == "auto" else int(args.q), chunk_tokens=args.chunk_tokens,
         staging_buffers=args.staging_buffers, resident_tail=args.resident_tail,
         offload_threshold=args.offload_threshold, corun_slowdown=args.corun_slowdown,
+        residency=args.residency,
         draft_window=None if args.draft_window == "all" else int(args.draft_window))
     sc = Scenario.from_names(hardware, get_model(args.target), get_model(args.draft), contexts,
                              args.concurrency, args.alpha, args.output_len, policy=policy,
@@ -162,6 +172,18 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare_residency(sc: Scenario, modes: list[str]) -> int:
+    offloading = [m for m in modes if m in OFFLOAD_MODES]
+    if not offloading:
+        print("--compare-residency: none of the modes offloads", file=sys.stderr)
+        return 2
+    tail, fill = (simulate(replace(sc, policy=replace(sc.policy, residency=r)), offloading)
+                  for r in ("tail", "fill"))
+    print(describe(sc), "\n")
+    print(residency_table(tail, fill))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Handler of ``specstream simulate``; returns the exit status."""
     if args.calibrate:
@@ -173,15 +195,20 @@ def run(args: argparse.Namespace) -> int:
         return 0
     sc = _scenario(args)
     modes = [x for x in args.modes.split(",") if x]
+    if args.compare_residency:
+        return _compare_residency(sc, modes)
     results = simulate(sc, modes)
     print(describe(sc), "\n")
     print(results_table(results), "\n")
     print(verdict(sc, results))
     if args.json:
         rows = [{f.name: getattr(r, f.name) for f in fields(r) if f.name != "round"}
-                | {"throughput_per_gpu": r.throughput_per_gpu} for r in results]
+                | {"throughput_per_gpu": r.throughput_per_gpu,
+                   "link_bytes_per_round": r.round.link_bytes if r.round else None}
+                for r in results]
         with open(args.json, "w") as f:
-            json.dump({"scenario": sc.label, "results": rows}, f, indent=1)
+            json.dump({"scenario": sc.label, "residency": sc.policy.residency,
+                       "results": rows}, f, indent=1)
     if args.plot_timeline:
         from specstream.sim.plots import plot_timeline
 

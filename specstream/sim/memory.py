@@ -4,12 +4,20 @@ Per mode, on the (target) device:
 
 - weights: target, plus the draft except in ``parallel-spec`` (its draft has its own GPU);
 - target KV: everything in ``resident``; in the offload modes a request stays fully resident up
-  to ``offload_threshold`` tokens, past it only the ``resident_tail`` does;
+  to ``offload_threshold`` tokens, past it only the ``resident_tail`` does (``tail``
+  residency), or as much of its newest history as its water-filled share of the free memory
+  holds (``fill``, see residency.py);
 - draft KV: ``draft_tokens(context)`` per request (windowed by default; on GPU 2 in
   ``parallel-spec``, where it is checked against that GPU's memory);
-- buffers: ``specstream`` needs ``staging_buffers`` chunk slots for a group (one layer each);
-  the full-restore modes need room for at least one request's whole cold history, and restore
-  the batch in sub-batches of as many requests as fit (each sub-batch is a separate forward).
+- buffers: ``specstream`` needs ``staging_buffers`` chunk slots for a group (one layer each).
+  Full-restore modes, ``tail``: room for at least one request's whole cold history, and the
+  batch restores in sub-batches of as many requests as fit (each a separate forward). ``fill``
+  (as the engine's layer-wise restore): room for two layers of the batch's cold history, and
+  the batch restores in one piece.
+
+Host: the cold history (``tail``), or every request's whole history (``fill``: each block is
+written through to the host once, so shrinking a request's share never moves bytes back).
+``fill`` admits on the minimum device room (floors + buffers), the rest is residency.
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specstream.sim.costs import Costs
-from specstream.sim.policy import SimPolicy
+from specstream.sim.policy import OFFLOAD_MODES, RESTORE_MODES, SimPolicy
+from specstream.sim.residency import history_capacity, kept_tokens, waterfill
 
 
 @dataclass(frozen=True)
@@ -33,6 +42,7 @@ class MemoryPlan:
     draft_device_bytes: float  # on the draft GPU (parallel-spec), else 0
     host_bytes: float  # offloaded KV
     sub_batch: int  # requests restored together (full-restore modes); batch size otherwise
+    share: float = 0.0  # fill: the water-filling level in tokens (cold_tokens' share); tail: 0
 
 
 def _resident_bytes(mode: str, costs: Costs, policy: SimPolicy, ctx: float) -> tuple[float, float]:
@@ -47,6 +57,8 @@ def _resident_bytes(mode: str, costs: Costs, policy: SimPolicy, ctx: float) -> t
 
 def plan(mode: str, costs: Costs, policy: SimPolicy, contexts: Sequence[float]) -> MemoryPlan:
     """Memory of a batch whose requests have the given (peak) context lengths."""
+    if policy.residency == "fill" and mode in OFFLOAD_MODES:
+        return _fill_plan(mode, costs, policy, contexts)
     kv_t = costs.kv_bytes("target")
     weights = costs.weight_bytes("target")
     draft_weights = costs.weight_bytes("draft")
@@ -72,6 +84,38 @@ def plan(mode: str, costs: Costs, policy: SimPolicy, contexts: Sequence[float]) 
     return MemoryPlan(fits, device, draft_dev, host, max(sub_batch, 1))
 
 
+def _fill_plan(mode: str, costs: Costs, policy: SimPolicy,
+               contexts: Sequence[float]) -> MemoryPlan:
+    """``fill``: weights, draft KV and staging first; the rest of the budget is residency,
+    water-filled over the requests (each keeps at least its floor), less the room that
+    restoring the non-resident history takes (two layers of it, restore modes)."""
+    kv_t = costs.kv_bytes("target")
+    weights = costs.weight_bytes("target")
+    draft_weights = costs.weight_bytes("draft")
+    if mode != "offload":  # offload: no draft; parallel-spec: the draft on its own GPU
+        draft = sum(policy.draft_tokens(c) for c in contexts) * costs.kv_bytes("draft")
+        draft_dev = draft_weights + draft if mode == "parallel-spec" else 0.0
+        fixed = weights + (0.0 if mode == "parallel-spec" else draft_weights + draft)
+    else:
+        fixed, draft_dev = weights, 0.0
+    if mode == "specstream" and contexts:
+        group = math.ceil(len(contexts) / policy.groups)
+        fixed += (policy.staging_buffers * policy.chunk_tokens * group * kv_t
+                  / costs.layers("target"))
+    frac = min(1.0, 2 / costs.layers("target")) if mode in RESTORE_MODES else 0.0
+    budget = costs.device_budget_bytes
+    total = sum(contexts)
+    floors = [policy.resident_floor(mode, c) for c in contexts]
+    capacity = history_capacity(budget - fixed, total * kv_t, frac)
+    share = waterfill(capacity / kv_t, contexts, floors)
+    hot = sum(kept_tokens(contexts, floors, share))
+    device = fixed + (hot + frac * (total - hot)) * kv_t
+    least = fixed + (sum(floors) + frac * (total - sum(floors))) * kv_t
+    host = total * kv_t
+    fits = least <= budget and host <= costs.host_budget_bytes and draft_dev <= budget
+    return MemoryPlan(fits, device, draft_dev, host, max(len(contexts), 1), share)
+
+
 def max_concurrency(mode: str, costs: Costs, policy: SimPolicy, context: float,
                     limit: int = 4096) -> int:
     """Most requests of this (peak) context that fit at once; 0 if not even one does."""
@@ -85,6 +129,13 @@ def max_concurrency(mode: str, costs: Costs, policy: SimPolicy, context: float,
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if plan(mode, costs, policy, [context] * mid).fits else (lo, mid)
     return lo
+
+
+def link_bytes_per_round(mode: str, costs: Costs, policy: SimPolicy,
+                         contexts: Sequence[float]) -> float:
+    """History bytes the batch moves over the link in one round (each request once)."""
+    share = plan(mode, costs, policy, contexts).share
+    return sum(policy.cold_tokens(mode, c, share) for c in contexts) * costs.kv_bytes("target")
 
 
 def kv_bytes_total(costs: Costs, policy: SimPolicy, contexts: Sequence[float]) -> float:

@@ -7,6 +7,8 @@ Conventions shared by the builders:
 
 - verification of a group = one target forward over q+1 query tokens per request, attending to
   the request's whole context; drafting = q draft forwards of one token per request;
+- a request's cold history (``Batch.cold``: what its tail, or in ``fill`` its share of the free
+  device memory, does not keep) crosses the link once per round;
 - round 0 starts with its drafts already made (the pipeline fill), so the steady state is
   measured between the ends of group 0's verification in the first and last rounds.
 """
@@ -16,11 +18,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from specstream.sim.costs import Costs
 from specstream.sim.events import Graph, Task
-from specstream.sim.memory import plan
+from specstream.sim.memory import MemoryPlan, plan
 from specstream.sim.policy import SimPolicy, check_mode
 
 MAX_CHUNKS = 32  # chunks per layer are coarsened past this, to bound the task count
@@ -35,6 +38,15 @@ class Batch:
     contexts: tuple[float, ...]
     q: int
     mode: str
+
+    @cached_property
+    def memory(self) -> MemoryPlan:
+        """Where the batch's KV lives: the restore sub-batch and the fill residency level."""
+        return plan(self.mode, self.costs, self.policy, self.contexts)
+
+    def cold(self, ctx: float) -> float:
+        """Tokens of a request's history that cross the link each round."""
+        return self.policy.cold_tokens(self.mode, ctx, self.memory.share)
 
     def groups(self, n: int) -> list[tuple[float, ...]]:
         """Split the requests round-robin into at most n non-empty groups."""
@@ -53,8 +65,8 @@ class Batch:
         return c.linear_s("draft", len(ctx)) + c.attention_s("draft", 1, window)
 
     def link_s(self, ctx: Sequence[float]) -> float:
-        cold = sum(self.policy.cold_tokens(self.mode, x) for x in ctx)
-        return cold * self.costs.kv_bytes("target") / self.costs.link_bw
+        c = self.costs
+        return sum(self.cold(x) for x in ctx) * c.kv_bytes("target") / c.link_bw
 
 
 Builder = Callable[[Graph, Batch], list[int]]
@@ -77,7 +89,7 @@ def _chain(g: Graph, prev: list[int], deps: Sequence[int] = (), **fields: Any) -
 
 
 def _sub_batches(b: Batch, ctx: tuple[float, ...]) -> list[tuple[float, ...]]:
-    size = plan(b.mode, b.costs, b.policy, b.contexts).sub_batch
+    size = b.memory.sub_batch
     return [ctx[i:i + size] for i in range(0, len(ctx), size)]
 
 
@@ -151,7 +163,7 @@ def _specstream(g: Graph, b: Batch) -> list[int]:
                 for _ in range(c.layers("draft")):
                     _chain(g, draft_prev, name="draft", resource="compute", duration=step,
                            kind="draft", group=gi, round=r, priority=1)
-            cold = [p.cold_tokens(b.mode, x) for x in ctx]
+            cold = [b.cold(x) for x in ctx]
             chunk = max(p.chunk_tokens, math.ceil(max(cold) / MAX_CHUNKS))
             n_chunks = math.ceil(max(cold) / chunk)
             n = len(ctx) * (b.q + 1)

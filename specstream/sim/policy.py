@@ -2,7 +2,9 @@
 
 Defaults follow the public reference implementation (design.md): 2048-token chunks, two staging
 buffers, a 512-token resident tail, offloading only past 8192 tokens, q in {1,2,4,6,8}, a 5%
-slowdown budget for co-running the draft.
+slowdown budget for co-running the draft. Residency defaults to ``fill`` (issue 17): the device
+memory left over holds the newest history of the running requests, and only the rest streams;
+``tail`` is the reference implementation's fixed tail.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 MODES: tuple[str, ...] = ("resident", "offload", "offload-spec", "specstream", "parallel-spec")
 OFFLOAD_MODES = frozenset({"offload", "offload-spec", "specstream", "parallel-spec"})
 SPEC_MODES = frozenset({"resident", "offload-spec", "specstream", "parallel-spec"})
+RESTORE_MODES = frozenset({"offload", "offload-spec", "parallel-spec"})  # restore, not stream
+RESIDENCIES: tuple[str, ...] = ("fill", "tail")
 
 
 @dataclass(frozen=True)
@@ -23,7 +27,12 @@ class SimPolicy:
     chunk_tokens: int = 2048  # tokens of cold history per streamed chunk (per request, per layer)
     staging_buffers: int = 2  # chunk slots on the device: the link runs at most this far ahead
     resident_tail: int = 512  # newest tokens of an offloaded request kept on the device
-    offload_threshold: int = 8192  # requests up to this many tokens stay fully resident
+    offload_threshold: int = 8192  # tail: requests up to this many tokens stay fully resident
+    # offload modes: "tail" keeps only resident_tail (or the whole request up to
+    # offload_threshold) on the device; "fill" also lends the device memory left after weights,
+    # draft KV and staging/restore room to the running requests' newest history, shared by
+    # water-filling (memory.plan), so only the overflow crosses the link
+    residency: str = "fill"
     draft_window: int | None = 4096  # draft KV kept per request (sink + recent); None = all
     corun_slowdown: float = 0.05  # verify slowdown while the draft co-runs on the same device
     groups: int = 2  # ping-pong groups (specstream, parallel-spec)
@@ -45,6 +54,9 @@ class SimPolicy:
             raise ValueError("corun_slowdown must be in [0, 1)")
         if self.groups < 1 or self.rounds < 2 or self.context_bucket < 1:
             raise ValueError("groups >= 1, rounds >= 2, context_bucket >= 1")
+        if self.residency not in RESIDENCIES:
+            raise ValueError(f"residency must be one of {', '.join(RESIDENCIES)}, "
+                             f"got {self.residency!r}")
 
     def candidate_qs(self, mode: str) -> tuple[int, ...]:
         """q values tried for a mode: 0 for plain decoding, else the fixed q or the choices."""
@@ -52,11 +64,26 @@ class SimPolicy:
             return (0,)
         return (self.q,) if self.q is not None else self.q_choices
 
-    def cold_tokens(self, mode: str, context: float) -> float:
-        """Tokens of a request's history on the host, streamed (or restored) every round."""
-        if mode not in OFFLOAD_MODES or context <= self.offload_threshold:
+    def resident_floor(self, mode: str, context: float) -> float:
+        """Tokens of a request that stay on the device at least: all of it in ``resident``;
+        in ``tail``, all of it up to ``offload_threshold``, past it the ``resident_tail``; in
+        ``fill``, the ``resident_tail`` (the threshold does not apply: the share decides, as
+        in the engine)."""
+        if mode not in OFFLOAD_MODES:
+            return context
+        if self.residency == "tail" and context <= self.offload_threshold:
+            return context
+        return min(context, float(self.resident_tail))
+
+    def cold_tokens(self, mode: str, context: float, share: float = 0.0) -> float:
+        """Tokens of a request's history on the host, streamed (or restored) every round.
+
+        ``share``: the ``fill`` residency level of the batch (``memory.plan``): a request keeps
+        its newest max(floor, share) tokens on the device. 0 (the ``tail`` residency): only
+        the floor stays."""
+        if mode not in OFFLOAD_MODES:
             return 0.0
-        return max(0.0, context - self.resident_tail)
+        return max(0.0, context - max(self.resident_floor(mode, context), share))
 
     def draft_tokens(self, context: float) -> float:
         """Tokens of draft KV a request keeps (the draft's cache is resident, windowed)."""

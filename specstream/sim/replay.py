@@ -15,7 +15,12 @@ step by step:
   steps that carry a prefill chunk: those verify every request with drafts, and all of them
   draft right after;
 - each verification accepts each draft with the mode's measured acceptance rate (random draws;
-  ``replay_mean`` averages over seeds).
+  ``replay_mean`` averages over seeds);
+- residency: a run whose settings say ``"residency": "fill"`` keeps, before each step, the
+  newest history of the running requests in the device pool (the budget less the staging ring,
+  the prefill scratch and the step's new tokens; restore modes also leave two layers of the
+  history that still moves), water-filled as the engine's ``_rebalance`` does (each keeps at
+  least its resident tail); only the rest crosses the link. Runs without the key are ``tail``.
 
 A step's compute time comes from the mode's measured decode steps (``modes[*].rounds``), fitted
 by non-negative least squares on what the step contained: a constant, requests verified, context
@@ -35,10 +40,11 @@ from typing import Any
 
 import numpy as np
 
-from specstream.sim.calibrate import nnls
+from specstream.sim.calibrate import nnls, residency_of
+from specstream.sim.policy import RESTORE_MODES
+from specstream.sim.residency import history_capacity, waterfill
 from specstream.sim.serving import ModeResult
 
-RESTORE_MODES = frozenset({"offload", "offload-spec", "parallel-spec"})
 TWO_GROUP_MODES = frozenset({"specstream", "parallel-spec"})
 SEEDS = 16  # acceptance draws the replay averages over
 # the columns of a step's feature row (``_row``); the link column is costed by ``overlap``
@@ -129,13 +135,30 @@ class ReplaySetup:
     block_size: int = 128
     max_prefill_tokens: int = 1024
     restore_token_cap: int | None = None
+    residency: str = "tail"  # "fill": the pool's free blocks keep history (module docstring)
+    pool_tokens: float = 0.0  # fill: device KV tokens for requests (budget less staging)
+    scratch_tokens: float = 0.0  # fill: kept free while a prompt waits or prefills
+    restore_fraction: float = 0.0  # fill, restore modes: two layers of the history that moves
     notes: dict[str, float] = field(default_factory=dict)
 
-    def host_tokens(self, context: float) -> float:
-        if self.mode == "resident" or context <= self.offload_threshold:
+    def host_tokens(self, context: float, share: float = 0.0) -> float:
+        """Tokens of a request read from the host this step; ``share``: the fill level."""
+        if self.mode == "resident":
             return 0.0
-        cold = context - self.resident_tail
+        if self.residency != "fill" and context <= self.offload_threshold:
+            return 0.0
+        cold = context - max(self.resident_tail, share)
         return max(0.0, math.floor(cold / self.block_size) * self.block_size)
+
+    def share(self, needs: Sequence[float], scratch: bool, decoding: int) -> float:
+        """The fill level of a step whose running requests need ``needs`` tokens (a prompt
+        being prefilled: all of it); 0 in ``tail``."""
+        if self.residency != "fill" or self.mode == "resident" or not needs:
+            return 0.0
+        pool = (self.pool_tokens - (self.scratch_tokens if scratch else 0.0)
+                - decoding * (self.q + 1))
+        capacity = history_capacity(pool, sum(needs), self.restore_fraction)
+        return waterfill(capacity, needs, [min(n, self.resident_tail) for n in needs])
 
 
 def replay(s: ReplaySetup, record: list[tuple[str, list[float]]] | None = None,
@@ -162,6 +185,9 @@ def replay(s: ReplaySetup, record: list[tuple[str, list[float]]] | None = None,
             break
         while waiting and len(running) < s.concurrency:
             running.append(waiting.pop(0))
+        share = s.share([r.prompt if r.in_prefill else r.context for r in running],
+                        bool(waiting) or any(r.in_prefill for r in running),
+                        sum(not r.in_prefill for r in running))
         group = None
         prefilling = two and any(r.in_prefill for r in running)
         if two and not prefilling:
@@ -182,7 +208,7 @@ def replay(s: ReplaySetup, record: list[tuple[str, list[float]]] | None = None,
             if not r.in_prefill and two and (
                     not r.drafted or (group is not None and r.group != group)):
                 continue
-            host = s.host_tokens(r.context)
+            host = s.host_tokens(r.context, share)
             if history is not None and host:
                 if host > history:
                     continue
@@ -252,11 +278,12 @@ def replay(s: ReplaySetup, record: list[tuple[str, list[float]]] | None = None,
 
 
 def engine_concurrency(mode: str, cal: dict[str, Any], block: int, max_prefill: int,
-                       max_num_seqs: int = 64) -> int:
+                       max_num_seqs: int = 64, residency: str = "tail") -> int:
     """Requests the engine's scheduler admits at once (``Scheduler._admit``): each reserves
-    the device blocks its tail can ever need, out of the device budget less the history
-    reserve (restore: half the budget; stream: the staging chunks) and, in offload modes, the
-    scratch blocks kept free for prefill chunks."""
+    the device blocks its tail can ever need (``fill``: its resident tail only, the rest is
+    shared), out of the device budget less the history reserve (restore: half the budget;
+    stream: the staging chunks) and, in offload modes, the scratch blocks kept free for
+    prefill chunks."""
     t, eng, w = cal["target"], cal.get("engine", {}), cal["workload"]
     kv = float(t["kv_bytes_per_token"])
     layer = kv / int(t["num_layers"])
@@ -270,7 +297,9 @@ def engine_concurrency(mode: str, cal: dict[str, Any], block: int, max_prefill: 
     scratch = min(-(-max_prefill // block) + 1, max(2, blocks // 4)) if offload else 0
     total = max(int(c) for c in w["context_lengths"]) + int(w["output_len"])
     step = int(cal.get("q", 4)) + 1
-    if offload:
+    if offload and residency == "fill":
+        tail = min(int(eng.get("resident_tail", 256)) + block, total) + step
+    elif offload:
         tail = max(min(total, int(eng.get("offload_threshold", 512))),
                    int(eng.get("resident_tail", 256)) + block) + step
         tail = min(tail, total + step)
@@ -292,6 +321,8 @@ def setups(data: dict[str, Any]) -> dict[str, ReplaySetup]:
     kv = float(t["kv_bytes_per_token"])
     layer_bytes = kv / int(t["num_layers"])
     cap = int(cal["device_memory_bytes"]) // 2 // int(2 * layer_bytes)
+    residency = residency_of(data)
+    budget = int(settings.get("device_kv_bytes") or cal["device_memory_bytes"])
     out = {}
     for mode, m in data.get("modes", {}).items():
         rounds = m.get("rounds") or []
@@ -301,7 +332,14 @@ def setups(data: dict[str, Any]) -> dict[str, ReplaySetup]:
         prompts = tuple(int(c) for c in w["context_lengths"])
         prompts = (prompts * -(-n // len(prompts)))[:n]
         conc = min(n, int(w.get("concurrency") or n),
-                   engine_concurrency(mode, cal, block, max_prefill, max_seqs))
+                   engine_concurrency(mode, cal, block, max_prefill, max_seqs, residency))
+        # fill: the engine's device pool (RuntimeLayout: the budget less the staging ring in
+        # stream modes), in tokens; restore modes leave room for two layers of what moves
+        staging = (int(eng.get("staging_buffers", 2)) * int(eng.get("wave_requests", 1))
+                   * int(eng.get("chunk_tokens", 1024)) * int(layer_bytes)
+                   if mode == "specstream" else 0)
+        blocks = (budget - staging) // int(block * kv)
+        scratch = min(-(-max_prefill // block) + 1, max(2, blocks // 4))
         setup = ReplaySetup(
             mode=mode, prompts=prompts, output_len=int(w["output_len"]), concurrency=conc,
             q=int(cal.get("q", 4)),
@@ -312,6 +350,10 @@ def setups(data: dict[str, Any]) -> dict[str, ReplaySetup]:
             offload_threshold=int(eng.get("offload_threshold", 512)), block_size=block,
             max_prefill_tokens=max_prefill,
             restore_token_cap=cap if mode in RESTORE_MODES else None,
+            residency=residency, pool_tokens=float(blocks * block),
+            scratch_tokens=float(scratch * block),
+            restore_fraction=min(1.0, 2 / int(t["num_layers"])) if mode in RESTORE_MODES
+            else 0.0,
         )
         steps: list[tuple[str, list[float]]] = []
         for seed in range(SEEDS):

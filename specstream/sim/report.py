@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 from specstream.sim.api import Scenario, by_mode
-from specstream.sim.memory import kv_bytes_total, max_concurrency
+from specstream.sim.memory import kv_bytes_total, link_bytes_per_round, max_concurrency, plan
+from specstream.sim.policy import OFFLOAD_MODES
 from specstream.sim.serving import ModeResult
 
 GB = 1e9
@@ -19,17 +21,18 @@ def _fmt(x: float, spec: str) -> str:
 def results_table(results: Sequence[ModeResult]) -> str:
     """One markdown row per mode."""
     head = ("| mode | GPUs | q | max conc. | in flight | tok/s | tok/s/GPU | TTFT s | TPOT ms "
-            "| link util. | round ms | floor ms | verify waits ms/round |")
-    lines = [head, "|" + " --- |" * 13]
+            "| link util. | link GB/round | round ms | floor ms | verify waits ms/round |")
+    lines = [head, "|" + " --- |" * 14]
     for r in results:
         rnd = r.round
         if not r.feasible:
-            lines.append(f"| {r.mode} | {r.gpus} | - | 0 | 0 | does not fit |" + " - |" * 7)
+            lines.append(f"| {r.mode} | {r.gpus} | - | 0 | 0 | does not fit |" + " - |" * 8)
             continue
         lines.append(
             f"| {r.mode} | {r.gpus} | {r.q} | {r.max_concurrency} | {r.admitted} "
             f"| {r.throughput:.1f} | {r.throughput_per_gpu:.1f} | {_fmt(r.ttft_s, '.2f')} "
             f"| {_fmt(r.tpot_s * 1e3, '.1f')} | {r.link_utilisation:.0%} "
+            f"| {_fmt(rnd.link_bytes / GB if rnd else math.nan, '.1f')} "
             f"| {_fmt(rnd.period_s * 1e3 if rnd else math.nan, '.1f')} "
             f"| {_fmt(rnd.floor_s * 1e3 if rnd else math.nan, '.1f')} "
             f"| {_fmt(rnd.verify_wait_s * 1e3 if rnd else math.nan, '.1f')} |")
@@ -53,6 +56,7 @@ def verdict(scenario: Scenario, results: Sequence[ModeResult]) -> str:
            if exceeds else f"fits (all-resident serving admits up to {fit})."),
     ]
     res = by_mode(results)
+    lines += _residency_lines(scenario, [r for r in results if r.feasible], peak, n)
     for mode in ("offload-spec", "specstream"):
         r = res.get(mode)
         if r is None or r.round is None:
@@ -82,6 +86,45 @@ def verdict(scenario: Scenario, results: Sequence[ModeResult]) -> str:
     return "\n".join(lines)
 
 
+def _residency_lines(scenario: Scenario, results: Sequence[ModeResult], peak: int,
+                     n: int) -> list[str]:
+    """How much of the batch's history the ``fill`` residency keeps on the device, and the link
+    bytes per round against the fixed tail (memory plan only: no extra simulation)."""
+    c, p = scenario.costs, scenario.policy
+    offloading = [r for r in results if r.mode in OFFLOAD_MODES]
+    if p.residency != "fill" or not offloading:
+        return []
+    mode = next((r.mode for r in offloading if r.mode == "specstream"), offloading[0].mode)
+    batch = [float(peak)] * min(n, by_mode(offloading)[mode].admitted)
+    fill = link_bytes_per_round(mode, c, p, batch)
+    tail = link_bytes_per_round(mode, c, replace(p, residency="tail"), batch)
+    history = sum(batch) * c.kv_bytes("target")
+    share = plan(mode, c, p, batch).share
+    fewer = f"{tail / fill:.1f}x fewer" if fill else "nothing streams"
+    return [f"Residency fill ({mode}, {len(batch)} requests at {peak:,} tokens): the device "
+            f"keeps {(history - fill) / GB:.1f} GB of their {history / GB:.1f} GB of history "
+            f"(the newest {min(share, peak):,.0f} tokens of each); {fill / GB:.1f} GB cross the "
+            f"link per round instead of {tail / GB:.1f} GB with the fixed tail ({fewer})."]
+
+
+def residency_table(tail: Sequence[ModeResult], fill: Sequence[ModeResult]) -> str:
+    """The same scenario under both residencies, per mode (``--compare-residency``)."""
+    lines = ["| mode | max conc. tail / fill | link GB/round tail | link GB/round fill "
+             "| bytes tail / fill | tok/s tail | tok/s fill | fill / tail |",
+             "|" + " --- |" * 8]
+    for t, f in zip(tail, fill, strict=True):
+        if not (t.feasible and f.feasible and t.round and f.round):
+            lines.append(f"| {t.mode} | {t.max_concurrency} / {f.max_concurrency} |"
+                         + " - |" * 6)
+            continue
+        tb, fb = t.round.link_bytes, f.round.link_bytes
+        lines.append(
+            f"| {t.mode} | {t.max_concurrency} / {f.max_concurrency} | {tb / GB:.1f} "
+            f"| {fb / GB:.1f} | {f'{tb / fb:.2f}x' if fb else 'all resident'} "
+            f"| {t.throughput:.1f} | {f.throughput:.1f} | {f.throughput / t.throughput:.2f}x |")
+    return "\n".join(lines)
+
+
 def describe(scenario: Scenario) -> str:
     """What was simulated, one line per ingredient."""
     w, a, p = scenario.workload, scenario.acceptance, scenario.policy
@@ -95,7 +138,8 @@ def describe(scenario: Scenario) -> str:
                  f"{w.total_requests} requests, {load}")
     acc = (f"alpha={a.alpha}" if a.alpha is not None
            else f"measured histogram at q={a.measured_q} (alpha~{a.effective_alpha:.3f})")
+    place = (f"residency fill (tail {p.resident_tail} at least)" if p.residency == "fill"
+             else f"residency tail {p.resident_tail}, offload past {p.offload_threshold}")
     parts.append(f"  acceptance: {acc}; q={'auto ' + str(p.q_choices) if p.q is None else p.q}"
-                 f"; chunk {p.chunk_tokens}, tail {p.resident_tail}, offload past "
-                 f"{p.offload_threshold}, draft window {p.draft_window}")
+                 f"; chunk {p.chunk_tokens}, {place}, draft window {p.draft_window}")
     return "\n".join(parts)

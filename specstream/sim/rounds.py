@@ -25,6 +25,7 @@ class RoundResult:
     verify_s: float  # target compute busy time within one period
     draft_s: float  # draft compute busy time within one period (either device)
     verify_wait_s: float  # time verification sat waiting for restored KV, per period
+    link_bytes: float  # history bytes over the link per period (each request's cold KV once)
     tasks: tuple[Task, ...]  # the simulated tasks (for the timeline plot)
     window: tuple[float, float]  # the measured period [t0, t1] within ``tasks``
 
@@ -83,7 +84,9 @@ def simulate_round(mode: str, costs: Costs, policy: SimPolicy, contexts: Sequenc
     return RoundResult(
         mode=mode, q=q, batch=len(contexts), tokens_per_round=acceptance.expected_tokens(q),
         period_s=period, link_s=busy_time(tasks, "link", t0, t1), verify_s=verify,
-        draft_s=draft, verify_wait_s=_verify_wait(tasks, t0, t1), tasks=tuple(tasks),
+        draft_s=draft, verify_wait_s=_verify_wait(tasks, t0, t1),
+        link_bytes=sum(batch.cold(c) for c in batch.contexts) * costs.kv_bytes("target"),
+        tasks=tuple(tasks),
         window=(t0, t1),
     )
 

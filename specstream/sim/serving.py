@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from specstream.sim.costs import Costs
 from specstream.sim.memory import max_concurrency
-from specstream.sim.policy import SimPolicy
+from specstream.sim.policy import OFFLOAD_MODES, SimPolicy
 from specstream.sim.rounds import RoundResult, best_round
 from specstream.sim.workload import AcceptanceModel, Workload
 
@@ -52,12 +52,21 @@ class _Request:
     finish: float = math.nan
 
 
+def _write_back_s(mode: str, costs: Costs, policy: SimPolicy, context: float) -> float:
+    """Writing a prefilled prompt's KV to the host: its cold part (``tail``), or all of it
+    (``fill``: write-through, so the host holds every request's whole history)."""
+    if policy.residency == "fill" and mode in OFFLOAD_MODES:
+        tokens = context
+    else:
+        tokens = policy.cold_tokens(mode, context)
+    return tokens * costs.kv_bytes("target") / costs.link_bw
+
+
 def _prefill_s(mode: str, costs: Costs, policy: SimPolicy, context: float) -> float:
     compute = costs.prefill_s("target", context)
     if mode != "offload":
         compute += costs.prefill_s("draft", context)
-    write_back = policy.cold_tokens(mode, context) * costs.kv_bytes("target") / costs.link_bw
-    return max(compute, write_back)
+    return max(compute, _write_back_s(mode, costs, policy, context))
 
 
 def simulate_mode(mode: str, costs: Costs, policy: SimPolicy, workload: Workload,
@@ -83,8 +92,7 @@ def simulate_mode(mode: str, costs: Costs, policy: SimPolicy, workload: Workload
             req = waiting.pop(0)
             prefill = _prefill_s(mode, costs, policy, req.context)
             now += prefill
-            link_busy += min(prefill, policy.cold_tokens(mode, req.context)
-                             * costs.kv_bytes("target") / costs.link_bw)
+            link_busy += min(prefill, _write_back_s(mode, costs, policy, req.context))
             req.first_token, req.generated, req.context = now, 1.0, req.context + 1
             if req.generated >= workload.output_len:
                 req.finish = now
