@@ -10,7 +10,8 @@ from specstream.cli import main
 
 FIELDS = ("output_tokens_per_s", "decode_tokens_per_s", "output_tokens_per_s_per_device",
           "devices", "mean_accepted_len", "link_utilization", "round_time_over_floor",
-          "device_kv_peak_bytes", "max_concurrency",
+          "device_kv_peak_bytes", "link_bytes_per_round", "link_bytes_floor_per_round",
+          "device_kv_utilization", "link_bytes_per_token", "max_concurrency",
           "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "outputs_match_reference")
 
 
@@ -33,6 +34,11 @@ def test_bench_runs_every_mode_and_writes_json_and_trace(tiny_target, tiny_draft
     assert modes["parallel-spec"]["devices"] == 2
     assert modes["offload"]["link_utilization"] > 0
     assert modes["resident"]["link_utilization"] == 0
+    # the offloading modes stream history (the default residency, fill, on a budget below the
+    # workload's KV); resident moves none
+    assert report["settings"]["residency"] == "fill"
+    assert modes["offload"]["link_bytes_per_round"] > 0
+    assert modes["resident"]["link_bytes_per_round"] == 0
     # at one device budget the offloading modes hold more requests than resident does
     assert modes["specstream"]["max_concurrency"] > modes["resident"]["max_concurrency"]
     assert "specstream_over_offload-spec" in report["ratios"]

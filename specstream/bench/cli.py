@@ -8,7 +8,14 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from specstream.bench.runner import ALL_MODES, BenchSettings, run_all
+from specstream.bench.residency import FRACTIONS, SWEEP_WORKLOAD
+from specstream.bench.runner import (
+    ALL_MODES,
+    BenchSettings,
+    resident_fit_bytes,
+    run_all,
+    workload_kv_bytes,
+)
 from specstream.bench.workload import Workload
 
 # Default emulated link: 1 GB/s. At the default workload (8 requests x 4K tokens of a 6 KiB/token
@@ -17,6 +24,8 @@ from specstream.bench.workload import Workload
 # the link with compute decides the round time. The sweep covers 4x either side, from
 # compute-bound to link-bound; `specstream simulate` answers for real GPUs and PCIe links.
 DEFAULT_LINK_GBPS = 1.0
+# Workloads (prompt tokens, requests, output tokens): the bench's, --quick's (about 2 minutes).
+WORKLOAD, QUICK_WORKLOAD = (4096, 8, 128), (2048, 6, 48)
 
 COLUMNS = [
     ("mode", "{}"), ("output_tokens_per_s", "{:.1f}"),
@@ -24,6 +33,7 @@ COLUMNS = [
     ("devices", "{}"), ("mean_accepted_len", "{:.2f}"), ("link_utilization", "{:.2f}"),
     ("floor_s", "{:.1f}"), ("round_time_over_floor", "{:.2f}"),
     ("decode_only_round_time_over_floor", "{:.2f}"), ("device_kv_peak_bytes", "{:.3g}"),
+    ("link_bytes_per_round", "{:.3g}"), ("device_kv_utilization", "{:.2f}"),
     ("max_concurrency", "{}"), ("ttft_ms_p50", "{:.0f}"), ("ttft_ms_p99", "{:.0f}"),
     ("tpot_ms_p50", "{:.1f}"), ("tpot_ms_p99", "{:.1f}"), ("outputs_match_reference", "{}"),
 ]
@@ -41,14 +51,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto",
                    help="weights and KV dtype (auto: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--modes", default=",".join(ALL_MODES), help="comma-separated modes")
-    p.add_argument("--context-len", type=int, default=4096, help="prompt tokens per request")
-    p.add_argument("--num-requests", type=int, default=8, help="requests in the workload")
-    p.add_argument("--output-len", type=int, default=128,
-                   help="greedy output tokens per request")
+    p.add_argument("--context-len", type=int, default=None,
+                   help=f"prompt tokens per request (default {WORKLOAD[0]}; "
+                        f"{SWEEP_WORKLOAD[0]} with --sweep-residency)")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help=f"requests in the workload (default {WORKLOAD[1]}; "
+                        f"{SWEEP_WORKLOAD[1]} with --sweep-residency)")
+    p.add_argument("--output-len", type=int, default=None,
+                   help=f"greedy output tokens per request (default {WORKLOAD[2]}; "
+                        f"{SWEEP_WORKLOAD[2]} with --sweep-residency)")
     p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS,
                    help="emulated link bandwidth of the cpu backend, GB/s (ignored on cuda)")
     p.add_argument("--device-kv-bytes", type=float, default=64 << 20,
                    help="device KV budget of every mode, bytes")
+    p.add_argument("--device-kv-fraction", type=float, default=None, metavar="F",
+                   help="device KV budget of every mode = F x the workload's KV (every "
+                        "request's prompt and output); overrides --device-kv-bytes. The "
+                        "resident reference then runs on a budget that holds the whole workload")
+    p.add_argument("--residency", choices=["fill", "tail"], default="fill",
+                   help="what the offloading modes keep on the device: fill (free device "
+                        "blocks hold the newest history; only the overflow streams) or tail "
+                        "(a fixed resident tail per request)")
     p.add_argument("-q", "--num-speculative-tokens", type=int, default=4,
                    help="draft tokens per round in the speculative modes")
     p.add_argument("--chunk-tokens", type=int, default=BenchSettings.chunk_tokens,
@@ -67,6 +90,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="a smaller run (about 2 minutes)")
     p.add_argument("--sweep", action="store_true",
                    help="sweep link bandwidth and context length; writes a PNG")
+    p.add_argument("--sweep-residency", action="store_true",
+                   help="sweep the device KV budget (F of the workload's KV) for fill and tail "
+                        "residency in every offloading mode; writes a PNG (about 20 minutes on "
+                        "2 cores at --link-gbps 0.25, the link-bound setting)")
+    p.add_argument("--fractions", default=",".join(map(str, FRACTIONS)),
+                   help="comma-separated F values of --sweep-residency")
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.add_argument("--trace", default=None,
                    help="Chrome trace JSON of the specstream run (and a .png timeline)")
@@ -84,14 +113,19 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         staging_buffers=args.staging_buffers, wave_requests=args.wave_requests,
         block_size=args.block_size,
         resident_tail_tokens=args.resident_tail_tokens,
-        offload_after_tokens=args.offload_after_tokens,
+        offload_after_tokens=args.offload_after_tokens, residency=args.residency,
         extra={"attention_backend": args.attention_backend},
     )
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
-    header = [c for c, _ in COLUMNS]
-    rows = [[fmt.format(r[c]) for c, fmt in COLUMNS] for r in results.values()]
+    return format_rows(list(results.values()), COLUMNS)
+
+
+def format_rows(results: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
+    """One row per result, one column per (key, format)."""
+    header = [c for c, _ in columns]
+    rows = [[fmt.format(r[c]) for c, fmt in columns] for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     lines = [" | ".join(h.ljust(w) for h, w in zip(header, widths))]
     lines.append("-|-".join("-" * w for w in widths))
@@ -123,17 +157,60 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def run(args: argparse.Namespace) -> int:
+def resolve_workload(args: argparse.Namespace) -> Workload:
+    """The workload the flags ask for (unset sizes take the run's defaults); fills them in."""
     if args.quick:
-        args.context_len, args.num_requests, args.output_len = 2048, 6, 48
+        args.context_len, args.num_requests, args.output_len = QUICK_WORKLOAD
+    defaults = SWEEP_WORKLOAD if args.sweep_residency else WORKLOAD
+    for name, default in zip(("context_len", "num_requests", "output_len"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    return Workload((args.context_len,) * args.num_requests, args.output_len)
+
+
+def apply_fraction(s: BenchSettings, workload: Workload, fraction: float) -> dict[str, Any]:
+    """Set every mode's device KV budget to ``fraction`` of the workload's KV, and the resident
+    reference's to one that holds the whole workload; returns what to record of it."""
+    if fraction <= 0:
+        raise ValueError(f"--device-kv-fraction must be > 0, got {fraction}")
+    total = workload_kv_bytes(workload, s)
+    s.device_kv_bytes = int(fraction * total)
+    s.reference_device_kv_bytes = max(s.device_kv_bytes, resident_fit_bytes(workload, s))
+    print(f"[bench] device KV budget {fraction:g} x {total} bytes of workload KV = "
+          f"{s.device_kv_bytes} bytes (resident reference: {s.reference_device_kv_bytes} "
+          "bytes, the whole workload fits)", flush=True)
+    return {"device_kv_fraction": fraction, "workload_kv_bytes": total,
+            "note": "every mode ran on device_kv_bytes = device_kv_fraction x workload_kv_bytes "
+                    "except resident, the exactness reference and compute model, which ran on "
+                    "reference_device_kv_bytes (the whole workload fits)"}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.sweep and (args.sweep_residency or args.device_kv_fraction is not None):
+        raise ValueError("--sweep sets its own workloads: use it without --sweep-residency "
+                         "and --device-kv-fraction")
+    if args.sweep_residency and args.device_kv_fraction is not None:
+        raise ValueError("--sweep-residency sets the fraction itself: use --fractions")
+    workload = resolve_workload(args)
     s = settings_from(args)
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     if args.sweep:
         from specstream.bench.sweep import run_sweep
 
         report = run_sweep(s, args, modes)
+    elif args.sweep_residency:
+        from specstream.bench.residency import run_residency_sweep
+
+        fractions = tuple(float(f) for f in args.fractions.split(",") if f.strip())
+        png = Path(args.json).with_suffix(".png") if args.json else Path("bench-residency.png")
+        report = {
+            "command": "specstream bench " + " ".join(_argv(args)),
+            "machine": {"platform": platform.platform(), "python": platform.python_version()},
+            **run_residency_sweep(s, workload, modes, fractions, png),
+        }
     else:
-        workload = Workload((args.context_len,) * args.num_requests, args.output_len)
+        budget = ({} if args.device_kv_fraction is None
+                  else apply_fraction(s, workload, args.device_kv_fraction))
         results = run_all(workload, s, modes, trace=args.trace)
         print(format_table(results))
         r = ratios(results)
@@ -146,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
             "machine": {"platform": platform.platform(), "python": platform.python_version()},
             "workload": {"context_len": args.context_len, "num_requests": args.num_requests,
                          "output_len": args.output_len},
-            "settings": {**{k: v for k, v in vars(s).items() if k != "extra"}, **s.extra},
+            "settings": {**{k: v for k, v in vars(s).items() if k != "extra"}, **s.extra,
+                         **budget},
             "modes": results,
             "ratios": r,
             "calibration": calibration_from(results, s, workload),
@@ -158,10 +236,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
-    out = []
+    out = [] if args.modes == ",".join(ALL_MODES) else ["--modes", args.modes]
     for k in ("context_len", "num_requests", "output_len", "link_gbps", "device_kv_bytes",
-              "num_speculative_tokens", "chunk_tokens", "staging_buffers", "wave_requests"):
+              "num_speculative_tokens", "chunk_tokens", "staging_buffers", "wave_requests",
+              "residency"):
+        if args.sweep_residency and k in ("device_kv_bytes", "residency"):
+            continue  # the sweep sets both per point
+        if k == "device_kv_bytes" and args.device_kv_fraction is not None:
+            k = "device_kv_fraction"  # the budget it resolves to is in the settings
         out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    if args.sweep_residency:
+        out += ["--sweep-residency", "--fractions", args.fractions]
     if args.quick:
         out.append("--quick")
     return out

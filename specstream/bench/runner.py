@@ -10,7 +10,9 @@ from typing import Any
 
 from specstream.bench.floors import ComputeModel, add_floors
 from specstream.bench.workload import Workload, build_prompts
-from specstream.llm import LLM
+from specstream.llm import LLM, default_model_dir
+from specstream.models.config import ModelConfig
+from specstream.models.loader import resolve_dtype
 from specstream.sampling_params import SamplingParams
 
 ALL_MODES = ("resident", "offload", "offload-spec", "specstream", "parallel-spec")
@@ -23,6 +25,10 @@ class BenchSettings:
     device: str = "cpu"
     dtype: str = "auto"
     device_kv_bytes: int = 64 << 20
+    # The resident reference's device budget when it differs from every other mode's: with
+    # --device-kv-fraction below 1 the workload does not fit a resident device at once, and the
+    # reference (exact outputs, the floors' compute model) should be the usual one. None: same.
+    reference_device_kv_bytes: int | None = None
     host_kv_bytes: int = 4 << 30
     link_gbps: float | None = 1.0
     num_speculative_tokens: int = 4
@@ -37,24 +43,55 @@ class BenchSettings:
     wave_requests: int = 2
     resident_tail_tokens: int = 256
     offload_after_tokens: int = 512
+    # What the offloading modes keep on the device: "fill" (free device blocks hold the newest
+    # history, only the overflow streams) or "tail" (a fixed resident tail per request).
+    residency: str = "fill"
     max_prefill_tokens: int = 1024
     max_num_seqs: int = 64
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def engine_kwargs(self, mode: str) -> dict[str, Any]:
+        device_kv = self.device_kv_bytes
+        if mode == "resident" and self.reference_device_kv_bytes is not None:
+            device_kv = self.reference_device_kv_bytes
         kw = dict(mode=mode, device=self.device, dtype=self.dtype,
-                  device_kv_bytes=self.device_kv_bytes, host_kv_bytes=self.host_kv_bytes,
+                  device_kv_bytes=device_kv, host_kv_bytes=self.host_kv_bytes,
                   link_gbps=self.link_gbps, block_size=self.block_size,
                   chunk_tokens=self.chunk_tokens, staging_buffers=self.staging_buffers,
                   wave_requests=self.wave_requests, resident_tail_tokens=self.resident_tail_tokens,
-                  offload_after_tokens=self.offload_after_tokens,
+                  offload_after_tokens=self.offload_after_tokens, residency=self.residency,
                   max_prefill_tokens=self.max_prefill_tokens, max_num_seqs=self.max_num_seqs,
                   seed=self.seed)
         kw.update(self.extra)
         if mode != "offload":
             kw.update(proposer="draft", num_speculative_tokens=self.num_speculative_tokens)
         return kw
+
+
+def workload_kv_bytes(workload: Workload, s: BenchSettings) -> int:
+    """The target's KV bytes of the whole workload: every request's prompt and output."""
+    per_token = _target_config(s).kv_bytes_per_token(_dtype_bytes(s))
+    return sum(n + workload.output_len for n in workload.context_lengths) * per_token
+
+
+def resident_fit_bytes(workload: Workload, s: BenchSettings) -> int:
+    """A device budget on which the resident mode holds every request at once: the blocks it
+    reserves per request (prompt, output and one round's drafts, block-rounded, plus one), with
+    10% to spare."""
+    per_token = _target_config(s).kv_bytes_per_token(_dtype_bytes(s))
+    bs, step = s.block_size, s.num_speculative_tokens + 1
+    blocks = sum(-(-(n + workload.output_len + step) // bs) + 1
+                 for n in workload.context_lengths)
+    return int(1.1 * blocks * bs * per_token)
+
+
+def _target_config(s: BenchSettings) -> ModelConfig:
+    return ModelConfig.from_dir(s.model or default_model_dir("target"))
+
+
+def _dtype_bytes(s: BenchSettings) -> int:
+    return resolve_dtype(s.dtype, s.device).itemsize
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -69,11 +106,19 @@ def run_mode(
     mode: str, workload: Workload, s: BenchSettings, trace: str | None = None
 ) -> tuple[dict[str, Any], list[list[int]], LLM]:
     """Run the workload in one mode; returns (metrics, greedy token ids, the LLM)."""
-    from specstream.llm import default_model_dir
-
     draft = s.draft_model or (str(default_model_dir("draft")) if s.model is None else None)
     llm = LLM(s.model, draft_model=draft if mode != "offload" else None,
               trace=trace is not None, **s.engine_kwargs(mode))
+    try:
+        return _measure(llm, mode, workload, s, trace)
+    except BaseException:
+        llm.close()
+        raise
+
+
+def _measure(
+    llm: LLM, mode: str, workload: Workload, s: BenchSettings, trace: str | None
+) -> tuple[dict[str, Any], list[list[int]], LLM]:
     vocab = llm.engine.model_config.vocab_size
     prompts = build_prompts(workload, llm.tokenizer, vocab, seed=s.seed)
     params = SamplingParams(temperature=0, max_tokens=workload.output_len, ignore_eos=True)
@@ -100,6 +145,9 @@ def run_mode(
     pure_wall = sum(r.wall_s for r in pure)
     accepted = m["accepted_tokens"] - base["accepted_tokens"]
     nrounds = m["rounds"] - base["rounds"]
+    d = {k: m[k] - base[k] for k in ("decode_steps", "decode_history_bytes",
+                                     "decode_history_floor_bytes", "kv_history_block_s",
+                                     "step_wall_s")}
     result = {
         "mode": mode,
         "output_tokens": n_out,
@@ -117,6 +165,16 @@ def run_mode(
         "prefill_share_of_wall": (wall - pure_wall) / wall if wall else 0.0,
         "mean_round_ms": 1e3 * sum(r.wall_s for r in rounds) / len(rounds) if rounds else 0.0,
         "device_kv_peak_bytes": m["device_kv_peak_bytes"],
+        "device_kv_budget_bytes": m["device_kv_budget_bytes"],
+        # residency (measured run only, the warm-up taken off): history bytes that crossed
+        # the link per decode step; those of them that no residency could have kept on this
+        # device budget; the fraction of device KV blocks holding history, time-averaged
+        "link_bytes_per_round": _per(d["decode_history_bytes"], d["decode_steps"]),
+        "link_bytes_floor_per_round": _per(d["decode_history_floor_bytes"], d["decode_steps"]),
+        "device_kv_utilization": _per(d["kv_history_block_s"], d["step_wall_s"]),
+        # the same history bytes per token decoded (each request's first token comes from its
+        # prefill): unlike per round, it does not grow with the requests a round batches
+        "link_bytes_per_token": _per(d["decode_history_bytes"], n_out - len(outs)),
         "host_kv_peak_bytes": m["host_kv_peak_bytes"],
         "max_concurrency": m["max_concurrency"],
         "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99),
@@ -144,31 +202,61 @@ def run_mode(
     return result, tokens, llm
 
 
+def _per(total: float, count: float) -> float:
+    return total / count if count else 0.0
+
+
+@dataclass
+class Reference:
+    """The resident run every other mode is checked and floored against."""
+
+    tokens: list[list[int]]  # its greedy outputs
+    model: ComputeModel  # the compute model fitted to its steps (see floors.py)
+
+
+def run_reference(workload: Workload, s: BenchSettings) -> tuple[dict[str, Any], Reference]:
+    """The resident mode on the workload (on ``s.reference_device_kv_bytes`` when set)."""
+    res, tokens, llm = run_mode("resident", workload, s)
+    llm.close()
+    ref = Reference(tokens, ComputeModel.fit(res["rounds"] + res["prefill_steps"]))
+    res["outputs_match_reference"] = True
+    add_floors({"resident": res}, ref.model)
+    return res, ref
+
+
+def run_compared(
+    mode: str, workload: Workload, s: BenchSettings, ref: Reference, trace: str | None = None
+) -> dict[str, Any]:
+    """One mode on the workload, its outputs compared with the reference and its floors added."""
+    res, tokens, llm = run_mode(mode, workload, s, trace=trace)
+    llm.close()
+    res["outputs_match_reference"] = tokens == ref.tokens
+    add_floors({mode: res}, ref.model)
+    return res
+
+
 def run_all(
     workload: Workload, s: BenchSettings, modes: tuple[str, ...] = ALL_MODES,
     trace: str | None = None, progress: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Every mode on the same workload; ``outputs_match_reference`` compares to resident,
     whose rounds also give the compute model of every mode's floors."""
-    results: dict[str, dict[str, Any]] = {}
-    reference: list[list[int]] | None = None
-    order = ["resident"] + [m for m in modes if m != "resident"]
-    for mode in order:
-        if progress:
-            print(f"[bench] {mode} ...", flush=True)
-        mode_trace = None
-        if trace is not None and mode == "specstream":
-            mode_trace = trace
-        res, tokens, llm = run_mode(mode, workload, s, trace=mode_trace)
-        llm.close()
-        if reference is None:
-            reference = tokens
-            model = ComputeModel.fit(res["rounds"] + res["prefill_steps"])
-        res["outputs_match_reference"] = tokens == reference
-        add_floors({mode: res}, model)
-        if mode in modes:
-            results[mode] = res
+    def done(mode: str, res: dict[str, Any]) -> None:
         if progress:
             print(f"[bench] {mode}: {res['output_tokens_per_s']:.1f} tok/s, "
                   f"{res['wall_s']:.1f}s", flush=True)
+
+    results: dict[str, dict[str, Any]] = {}
+    if progress:
+        print("[bench] resident ...", flush=True)
+    res, ref = run_reference(workload, s)
+    done("resident", res)
+    if "resident" in modes:
+        results["resident"] = res
+    for mode in (m for m in modes if m != "resident"):
+        if progress:
+            print(f"[bench] {mode} ...", flush=True)
+        results[mode] = run_compared(mode, workload, s, ref,
+                                     trace=trace if mode == "specstream" else None)
+        done(mode, results[mode])
     return results
