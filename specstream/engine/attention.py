@@ -67,19 +67,22 @@ class StepKV:
             seqs = [plan.seqs[i] for i in members]
             p = max(len(s.token_ids) for s in seqs)
             q_index, tail_blocks, tail_len, offset = [], [], [], []
-            tb = max(len(s.device_blocks) for s in seqs)
+            # the blocks that hold tokens (a resident request reserved its whole length at
+            # admission: attending the empty rest would only cost time)
+            n_tails = [s.start_pos + len(s.token_ids) - s.host_tokens for s in seqs]
+            used = [s.device_blocks[: -(-n // bs)] for s, n in zip(seqs, n_tails)]
+            tb = max(len(b) for b in used)
             for w, (i, s) in enumerate(zip(members, seqs)):
                 lo, hi = self.rows[i]
                 q_index += [min(lo + t, hi - 1) for t in range(p)]  # pad: repeat the last
                 for t in range(hi - lo):
                     out_index[lo + t] = base + w * p + t
-                b = list(s.device_blocks)
+                b = list(used[w])
                 tail_blocks += b + [b[0]] * (tb - len(b))
-                n_tail = s.start_pos + len(s.token_ids) - s.host_tokens
-                tail_len.append(n_tail)
-                offset.append(n_tail - len(s.token_ids))
+                tail_len.append(n_tails[w])
+                offset.append(n_tails[w] - len(s.token_ids))
             base += len(members) * p
-            only = seqs[0].device_blocks if len(seqs) == 1 else ()
+            only = used[0] if len(seqs) == 1 else ()
             consecutive = bool(only) and all(only[j + 1] == only[j] + 1
                                              for j in range(len(only) - 1))
             self.buckets.append(Bucket(
