@@ -56,16 +56,27 @@ class WaveShape:
     causal_offset: Tensor | None
     # Every request sees all N keys (no mask needed).
     full: bool
+    # [W, P, N] bool or None: an explicit visibility mask on top of key_len (a token tree's
+    # new tokens: query i of request w sees key j iff tree[w, i, j]). Waves with one run on
+    # the torch path whatever the backend (they are small: a round's new tokens).
+    tree: Tensor | None = None
     # Folded additive masks of the torch path, by (group, queries, keys).
     _masks: dict[tuple[int, int, int], Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(cls, index: list[int] | None, key_len: list[int], num_keys: int,
-              causal_offset: list[int] | None, device: torch.device) -> WaveShape:
-        full = causal_offset is None and all(n == num_keys for n in key_len)
+              causal_offset: list[int] | None, device: torch.device,
+              tree: Tensor | None = None) -> WaveShape:
+        full = tree is None and causal_offset is None and all(n == num_keys for n in key_len)
         index_t, lengths, offsets = upload([index, key_len, causal_offset], torch.int64, device)
         assert lengths is not None
-        return cls(index_t, lengths.int(), None if offsets is None else offsets.int(), full)
+        if tree is not None:
+            if tree.dim() != 3 or tree.shape[0] != len(key_len) or tree.shape[2] != num_keys:
+                raise ValueError(f"tree mask {tuple(tree.shape)} does not fit "
+                                 f"{len(key_len)} requests x {num_keys} keys")
+            tree = tree.to(device=device, dtype=torch.bool)
+        return cls(index_t, lengths.int(), None if offsets is None else offsets.int(), full,
+                   tree)
 
     def folded_mask(self, group: int, num_q: int, num_k: int) -> Tensor | None:
         """``[W, 1, group * num_q, num_k]`` float, 0 where visible and -inf elsewhere; rows
@@ -75,6 +86,8 @@ class WaveShape:
         key = (group, num_q, num_k)
         if key not in self._masks:
             vis = visible_keys(num_q, num_k, self.key_len, self.causal_offset)  # [W, P, N]
+            if self.tree is not None:
+                vis = vis & self.tree[:, :num_q, :num_k]
             vis = vis[:, None].expand(-1, group, -1, -1).reshape(-1, 1, group * num_q, num_k)
             self._masks[key] = torch.zeros(vis.shape, device=vis.device).masked_fill_(
                 ~vis, NEG_INF)
@@ -171,6 +184,10 @@ class TritonWaves(WaveAttention):
 
     def add(self, k: Tensor, v: Tensor, shape: WaveShape) -> None:
         q = self.q if shape.index is None else self.q.index_select(0, shape.index)
+        if shape.tree is not None:  # an explicit mask: the torch reference (a few keys)
+            out, lse = _masked_torch(q, k, v, self.scale, shape)
+            self._keep(out, lse, shape.index)
+            return
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
         out, lse = wave_attention_triton(q, k, v, self.scale, shape.key_len, shape.causal_offset)
@@ -178,6 +195,25 @@ class TritonWaves(WaveAttention):
 
     def result(self) -> Tensor:
         return merge(self.outs, self.lses).to(self.out_dtype)
+
+
+def _masked_torch(q: Tensor, k: Tensor, v: Tensor, scale: float,
+                  shape: WaveShape) -> tuple[Tensor, Tensor]:
+    """One wave with an explicit mask, in fp32 matmuls: out ``[W, P, H, D]``, lse
+    ``[W, P, H]`` (rows that see no key: lse -inf, out 0)."""
+    w, p, h, d = q.shape
+    kv = k.shape[2]
+    g = h // kv
+    qf = q.float().view(w, p, kv, g, d).permute(0, 2, 3, 1, 4).reshape(w, kv, g * p, d)
+    kt, vt = k.float().permute(0, 2, 1, 3), v.float().permute(0, 2, 1, 3)  # [W, kv, N, D]
+    s = torch.matmul(qf, kt.transpose(-1, -2)).mul_(scale)  # [W, kv, g * P, N]
+    mask = shape.folded_mask(g, p, k.shape[1])
+    if mask is not None:
+        s = s.add_(mask.view(w, 1, g * p, -1))
+    lse = torch.logsumexp(s, dim=-1)  # [W, kv, g * P]
+    out = torch.matmul(torch.exp(s - finite_or_zero(lse).unsqueeze(-1)), vt)
+    out = out.view(w, kv, g, p, d).permute(0, 3, 1, 2, 4).reshape(w, p, h, d)
+    return out, lse.view(w, kv, g, p).permute(0, 3, 1, 2).reshape(w, p, h)
 
 
 def resolve_backend(name: str, device: str) -> str:
