@@ -169,8 +169,12 @@ def test_models_health_metrics(server: LiveServer) -> None:
                  "specstream_spec_mean_accepted_len", "specstream_link_utilisation",
                  'specstream_link_bytes_total{direction="h2d"}',
                  'specstream_link_bytes_total{direction="d2h"}',
-                 'specstream_time_to_first_token_seconds_bucket{le="+Inf"}'):
+                 'specstream_time_to_first_token_seconds_bucket{le="+Inf"}',
+                 "specstream_link_bytes_per_round", "specstream_link_bytes_floor_per_round",
+                 "specstream_device_kv_utilization"):
         assert name in m, name
+    assert 0 < m["specstream_device_kv_utilization"] <= 1  # the request's KV sat there
+    assert m["specstream_link_bytes_per_round"] >= 0
     # finished by length or by eos: the random model's choice (its tokenizer is trained on
     # this repository's sources, so it changes with them)
     assert sum(v for k, v in m.items()

@@ -145,7 +145,7 @@ def _measure(
     pure_wall = sum(r.wall_s for r in pure)
     accepted = m["accepted_tokens"] - base["accepted_tokens"]
     nrounds = m["rounds"] - base["rounds"]
-    d = {k: m[k] - base[k] for k in ("decode_steps", "decode_history_bytes",
+    d = {k: m[k] - base[k] for k in ("verify_steps", "decode_history_bytes",
                                      "decode_history_floor_bytes", "kv_history_block_s",
                                      "step_wall_s")}
     result = {
@@ -169,8 +169,8 @@ def _measure(
         # residency (measured run only, the warm-up taken off): history bytes that crossed
         # the link per decode step; those of them that no residency could have kept on this
         # device budget; the fraction of device KV blocks holding history, time-averaged
-        "link_bytes_per_round": _per(d["decode_history_bytes"], d["decode_steps"]),
-        "link_bytes_floor_per_round": _per(d["decode_history_floor_bytes"], d["decode_steps"]),
+        "link_bytes_per_round": _per(d["decode_history_bytes"], d["verify_steps"]),
+        "link_bytes_floor_per_round": _per(d["decode_history_floor_bytes"], d["verify_steps"]),
         "device_kv_utilization": _per(d["kv_history_block_s"], d["step_wall_s"]),
         # the same history bytes per token decoded (each request's first token comes from its
         # prefill): unlike per round, it does not grow with the requests a round batches

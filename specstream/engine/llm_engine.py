@@ -240,10 +240,12 @@ class LLMEngine:
         if not decode and not prefill_tokens:
             return  # nothing was done
         link_floor = nbytes / self._link_rate()
-        if decode:
-            st.decode_steps += 1
+        if decode and plan.seqs:  # a verification round: the history it moved
+            st.verify_steps += 1
             st.decode_history_bytes += history
             st.decode_history_floor_bytes += history_floor
+        if decode:
+            st.decode_steps += 1
             st.decode_time_s += wall
             st.decode_link_busy_s += busy
             st.decode_link_floor_s += link_floor

@@ -136,9 +136,14 @@ class Scheduler:
         r = self.reservation(req)
         if r.device_total + self.scratch_blocks > self.kv.device.num_blocks:
             p = self.kv.policy
-            remedy = (f"or lower offload_after_tokens (now {p.offload_after_tokens}: the "
-                      "device keeps a request's KV until it passes that many tokens)"
-                      if p.offload else "or use an offloading mode")
+            if p.fill:
+                remedy = (f"or lower resident_tail_tokens (now {p.resident_tail_tokens}: "
+                          "every request keeps at least that many tokens on the device)")
+            elif p.offload:
+                remedy = (f"or lower offload_after_tokens (now {p.offload_after_tokens}: the "
+                          "device keeps a request's KV until it passes that many tokens)")
+            else:
+                remedy = "or use an offloading mode"
             if r.restore_blocks:
                 remedy += (f"; {r.restore_blocks} of them hold two restored layers of its "
                            "history (a streaming mode needs none)")

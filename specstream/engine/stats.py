@@ -64,9 +64,12 @@ class EngineStats:
     decode_link_busy_s: float = 0.0
     decode_link_floor_s: float = 0.0
     prefill_only_time_s: float = 0.0
-    # Residency: history bytes decode steps moved to the device, and the least they could
-    # have moved (the history that cannot be resident given the device budget); device KV
-    # blocks holding history x step seconds, and step seconds (for the time average).
+    # Residency, over the decode steps that ran the target (verification rounds; a step that
+    # only drafts moves no history): their count, the history bytes they moved to the device,
+    # and the least they could have moved (the history that cannot be resident given the
+    # device budget); device KV blocks holding history x step seconds, and step seconds (for
+    # the time average).
+    verify_steps: int = 0
     decode_history_bytes: int = 0
     decode_history_floor_bytes: int = 0
     kv_history_block_s: float = 0.0
@@ -94,7 +97,7 @@ class EngineStats:
         d["link_utilization"] = self.decode_link_busy_s / dt if dt else 0.0
         floor = self.decode_link_floor_s
         d["decode_time_over_link_floor"] = dt / floor if floor else 0.0
-        steps = self.decode_steps
+        steps = self.verify_steps
         d["link_bytes_per_round"] = self.decode_history_bytes / steps if steps else 0.0
         d["link_bytes_floor_per_round"] = (self.decode_history_floor_bytes / steps
                                            if steps else 0.0)
