@@ -223,13 +223,17 @@ def test_cuda_without_a_gpu_is_a_clear_error(tiny_target):
         LLM(tiny_target, device="cuda")
 
 
-def test_too_small_budget_in_an_offloading_mode_names_the_right_remedy(tiny_target):
+@pytest.mark.parametrize("residency, remedy", [("tail", "offload_after_tokens"),
+                                                ("fill", "resident_tail_tokens")])
+def test_too_small_budget_in_an_offloading_mode_names_the_right_remedy(tiny_target, residency,
+                                                                       remedy):
     llm = LLM(tiny_target, mode="stream", block_size=16, chunk_tokens=64,
-              device_kv_bytes=400_000, offload_after_tokens=2048)
+              device_kv_bytes=400_000, offload_after_tokens=2048, residency=residency,
+              resident_tail_tokens=2048)
     try:
         with pytest.raises(ValueError) as err:
             llm.engine.add_request(_prompts((1500,))[0], GREEDY)
-        assert "offload_after_tokens" in str(err.value)
+        assert remedy in str(err.value)
         assert "use an offloading mode" not in str(err.value)
     finally:
         llm.close()
