@@ -1,0 +1,152 @@
+"""The shape of a round: how many draft positions to verify, chosen from what the engine measures.
+
+A round verifies, per request, a chain of ``depth`` drafts or a tree of ``nodes`` drafts
+(``topk`` children per expanded node, at most ``depth`` deep); ``depth = 0`` is no speculation.
+What a shape buys is expected tokens per request per round; what it costs is round time:
+
+- tokens: with acceptance ``beta[r]`` (the probability that the target's choice is the draft's
+  rank-``r`` candidate at a node whose path was accepted; ``beta[0]`` is a chain's per-token
+  acceptance), a node on a path of ranks ``r_1 .. r_d`` is accepted with probability
+  ``prod beta[r_i]``, and a round yields ``1 + sum over nodes`` tokens in expectation (the
+  bonus or recovered token is the 1). The best tree for a node budget takes the nodes of the
+  highest such probability (Sequoia's dynamic program reduces to this greedy choice when
+  acceptance depends on the rank only), so ``expected_tokens`` builds exactly that tree.
+- time: ``max(link, verify) + draft`` when drafting is serial (``offload-spec``, ``resident``),
+  ``max(link, verify + draft)`` when it runs in the link's gaps (``specstream``; the draft of
+  one group fills the other group's transfers), ``max(link, verify, draft)`` on a second
+  device; verify = ``a + b x query positions``, draft = ``levels x (c + d x nodes per level)``.
+
+``choose`` maximises tokens per second over the candidate shapes; everything it reads is an
+estimate the engine keeps current (``RoundCosts``, ``AcceptanceEstimate``). Pure Python.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Shape:
+    depth: int  # the deepest draft; 0 = no speculation
+    topk: int = 1  # children per expanded node; 1 = a chain
+    nodes: int = 0  # draft positions per request (a chain: depth)
+
+    def __post_init__(self) -> None:
+        if self.depth < 0 or self.topk < 1:
+            raise ValueError(f"bad shape {self}")
+        if self.topk == 1 and self.nodes not in (0, self.depth):
+            raise ValueError(f"a chain of depth {self.depth} has {self.depth} nodes")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.depth if self.topk == 1 else self.nodes
+
+    @property
+    def levels(self) -> int:
+        """Draft forwards a round of this shape costs (one per depth level)."""
+        return self.depth
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Acceptance by candidate rank, as exponentially weighted counts with a prior."""
+
+    prior: Sequence[float] = (0.6, 0.12, 0.05, 0.03)  # beta by rank (the first: a chain's)
+    prior_weight: float = 20.0  # the prior counts as this many observations
+    decay: float = 0.995  # per observation: old rounds fade
+    hits: list[float] = field(default_factory=list)
+    tries: list[float] = field(default_factory=list)
+
+    def beta(self, rank: int) -> float:
+        """Probability that the target's token is the draft's rank-``rank`` candidate (0 =
+        its first choice) at a node whose path was accepted."""
+        p = self.prior[rank] if rank < len(self.prior) else self.prior[-1] / 2 ** (
+            rank - len(self.prior) + 1)
+        h = self.hits[rank] if rank < len(self.hits) else 0.0
+        t = self.tries[rank] if rank < len(self.tries) else 0.0
+        return (h + p * self.prior_weight) / (t + self.prior_weight)
+
+    def observe(self, num_candidates: int, matched_rank: int | None) -> None:
+        """One verified node whose path was accepted: the draft offered ``num_candidates``
+        candidates for the next token and the target's was ``matched_rank`` (or none)."""
+        while len(self.tries) < num_candidates:
+            self.tries.append(0.0)
+            self.hits.append(0.0)
+        for r in range(len(self.tries)):
+            self.tries[r] *= self.decay
+            self.hits[r] *= self.decay
+        for r in range(num_candidates):
+            self.tries[r] += 1.0
+        if matched_rank is not None and matched_rank < num_candidates:
+            self.hits[matched_rank] += 1.0
+
+    def observe_chain(self, num_drafts: int, num_accepted: int) -> None:
+        """A chain round: drafts 1..num_accepted matched, the next one (if any) did not."""
+        for d in range(min(num_accepted + 1, num_drafts)):
+            self.observe(1, 0 if d < num_accepted else None)
+
+
+def expected_tokens(shape: Shape, acc: AcceptanceEstimate) -> float:
+    """Expected tokens one request gets from a round of ``shape`` (accepted drafts + 1)."""
+    if shape.depth == 0:
+        return 1.0
+    if shape.topk == 1:
+        total, p = 1.0, 1.0
+        for _ in range(shape.depth):
+            p *= acc.beta(0)
+            total += p
+        return total
+    betas = [acc.beta(r) for r in range(shape.topk)]
+    # the best tree: nodes by path probability, children of accepted-so-far nodes
+    heap: list[tuple[float, int, int]] = [(-betas[0], 1, 0)]  # (-prob, depth, rank)
+    total, count = 1.0, 0
+    while heap and count < shape.nodes:
+        neg, depth, rank = heapq.heappop(heap)
+        prob = -neg
+        total += prob
+        count += 1
+        if rank + 1 < shape.topk:  # the next sibling
+            heapq.heappush(heap, (-prob / betas[rank] * betas[rank + 1], depth, rank + 1))
+        if depth < shape.depth:  # the first child
+            heapq.heappush(heap, (-prob * betas[0], depth + 1, 0))
+    return total
+
+
+@dataclass
+class RoundCosts:
+    """Seconds a round's parts take, as the engine last measured them (EWMA)."""
+
+    link_s: float = 0.0  # the round's history over the link
+    verify_base_s: float = 0.0  # verification: fixed part
+    verify_per_position_s: float = 0.0  # ... and per query position (all requests)
+    draft_level_s: float = 0.0  # one draft forward: fixed part
+    draft_per_node_s: float = 0.0  # ... and per node drafted in it (all requests)
+
+    def round_s(self, shape: Shape, num_requests: int, drafting: str) -> float:
+        positions = num_requests * (1 + shape.num_nodes)
+        verify = self.verify_base_s + self.verify_per_position_s * positions
+        draft = 0.0
+        if shape.depth:
+            per_level = num_requests * shape.num_nodes / shape.levels
+            draft = shape.levels * (self.draft_level_s + self.draft_per_node_s * per_level)
+        if drafting == "gaps":
+            return max(self.link_s, verify + draft)
+        if drafting == "parallel":
+            return max(self.link_s, verify, draft)
+        return max(self.link_s, verify) + draft
+
+
+def choose(candidates: Sequence[Shape], num_requests: int, costs: RoundCosts,
+           acc: AcceptanceEstimate, drafting: str = "sequential") -> Shape:
+    """The candidate with the most expected tokens per second (ties: the smaller round)."""
+    if not candidates:
+        raise ValueError("no candidate shapes")
+
+    def rate(s: Shape) -> tuple[float, int]:
+        t = costs.round_s(s, num_requests, drafting)
+        return (num_requests * expected_tokens(s, acc) / t if t > 0 else float("inf"),
+                -s.num_nodes)
+
+    return max(candidates, key=rate)
