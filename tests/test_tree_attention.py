@@ -71,3 +71,20 @@ def test_tree_mask_shape_is_checked():
     with pytest.raises(ValueError, match="tree mask"):
         WaveShape.build(None, [3], 3, None, torch.device("cpu"),
                         tree=torch.ones(2, 3, 3, dtype=torch.bool))
+
+
+def test_a_request_that_sees_no_key_in_a_wave_weighs_nothing_in_the_merge():
+    """A wave row with no visible key (key_len 0) contributes lse -inf and out 0 on every
+    path, so the merge equals attention over the other waves alone."""
+    torch.manual_seed(1)
+    w, p, h, kv, d, n = 2, 3, 4, 2, 8, 5
+    q = torch.randn(w, p, h, d)
+    k1, v1 = torch.randn(w, n, kv, d), torch.randn(w, n, kv, d)
+    k2, v2 = torch.randn(w, n, kv, d), torch.randn(w, n, kv, d)
+    att = ATTENTION.get("torch")(q, kv, d**-0.5)
+    att.add(k1, v1, WaveShape.build(None, [n, n], n, None, q.device))
+    att.add(k2, v2, WaveShape.build(None, [n, 0], n, None, q.device))  # request 1 sees none
+    out = att.result()
+    alone = ATTENTION.get("torch")(q, kv, d**-0.5)
+    alone.add(k1, v1, WaveShape.build(None, [n, n], n, None, q.device))
+    torch.testing.assert_close(out[1], alone.result()[1], atol=1e-6, rtol=1e-6)

@@ -60,8 +60,10 @@ class WaveShape:
     # new tokens: query i of request w sees key j iff tree[w, i, j]). Waves with one run on
     # the torch path whatever the backend (they are small: a round's new tokens).
     tree: Tensor | None = None
-    # Folded additive masks of the torch path, by (group, queries, keys).
+    # Folded additive masks of the torch path, by (group, queries, keys), and which of their
+    # rows see no key at all.
     _masks: dict[tuple[int, int, int], Tensor] = field(default_factory=dict)
+    _empty: dict[tuple[int, int, int], Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(cls, index: list[int] | None, key_len: list[int], num_keys: int,
@@ -91,7 +93,13 @@ class WaveShape:
             vis = vis[:, None].expand(-1, group, -1, -1).reshape(-1, 1, group * num_q, num_k)
             self._masks[key] = torch.zeros(vis.shape, device=vis.device).masked_fill_(
                 ~vis, NEG_INF)
+            self._empty[key] = ~vis.any(dim=-1)  # [W, 1, group * num_q]
         return self._masks[key]
+
+    def empty_rows(self, group: int, num_q: int, num_k: int) -> Tensor | None:
+        """``[W, 1, group * num_q]`` bool: folded rows that see no key (None: no mask)."""
+        return None if self.folded_mask(group, num_q, num_k) is None else self._empty[
+            (group, num_q, num_k)]
 
 
 def merge(outs: list[Tensor], lses: list[Tensor]) -> Tensor:
@@ -159,6 +167,10 @@ class TorchWaves(WaveAttention):
         mask = shape.folded_mask(self.group, self.num_q, k.shape[1])
         if _CPU_FLASH is not None and q.device.type == "cpu":
             out, lse = _CPU_FLASH(q, kt, vt, 0.0, False, attn_mask=mask, scale=self.scale)
+            empty = shape.empty_rows(self.group, self.num_q, k.shape[1])
+            if empty is not None:  # the kernel gives such rows lse 0: they must weigh nothing
+                lse = lse.masked_fill(empty, NEG_INF)
+                out = out.masked_fill(empty[..., None], 0.0)
         else:
             s = torch.matmul(q, kt.transpose(-1, -2)).mul_(self.scale)  # [W, kv, rows, N]
             if mask is not None:
