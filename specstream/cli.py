@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from specstream.config import DEFAULT_SPECULATIVE_TOKENS, MODES, EngineConfig
+from specstream.config import DEFAULT_SPECULATIVE_TOKENS, MAX_TREE_NODES, MODES, EngineConfig
 
 Command = Callable[[argparse._SubParsersAction], None]  # registers one subcommand
 _COMMANDS: list[Command] = []
@@ -52,8 +52,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="speculation proposer (default: draft with --draft-model, or for the "
                         "embedded target in a mode that speculates; else none)")
     g.add_argument("--num-speculative-tokens", "-q", type=int, default=None,
-                   help=f"draft tokens per round (default: {DEFAULT_SPECULATIVE_TOKENS} with "
-                        "a proposer, else 0)")
+                   help=f"draft tokens per round; with token trees, their depth (default: "
+                        f"{DEFAULT_SPECULATIVE_TOKENS} with a proposer, else 0)")
+    g.add_argument("--speculative-topk", "--speculative-eagle-topk", type=int, default=None,
+                   help="token trees: children per expanded node of the draft model's tree "
+                        "(SGLang's --speculative-eagle-topk); 1 is a chain of -q drafts "
+                        f"(default: {_default('speculative_topk')})")
+    g.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="token trees: draft tokens (nodes) per request and round, at least -q "
+                        f"and at most {MAX_TREE_NODES}; unlike SGLang's flag of that name the "
+                        "last accepted token is not counted (default: -q, a chain's drafts)")
     g.add_argument("--device", default="cpu", help="cpu, or cuda[:N]")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV dtype (auto: bfloat16 on cuda, float32 on cpu)")
@@ -223,11 +231,17 @@ def _summary(llm: Any, out: Any, m: dict[str, Any], wall: float) -> str:
            "stream": f"offloaded history streamed in {cfg.chunk_tokens}-token chunks"}
     spec = (f"{cfg.proposer} proposer, {cfg.q} draft tokens per round" if cfg.speculative
             else "no speculation")
+    if cfg.tree:
+        spec = (f"{cfg.proposer} proposer, token trees {cfg.q} deep of up to "
+                f"{cfg.num_draft_tokens} nodes (top-{cfg.speculative_topk} children)")
     lines.append(f"  mode          {cfg.mode}: {how[cfg.mode_spec.history]}; {spec}")
     if cfg.speculative:
         lines.append(f"  speculation   {m['rounds']:.0f} rounds, mean accepted length "
                      f"{m['mean_accepted_len']:.2f} tokens per round, acceptance rate "
                      f"{m['acceptance_rate']:.2f}")
+    if cfg.tree:
+        lines.append(f"  trees         {m['mean_tree_nodes_per_round']:.1f} nodes verified per "
+                     f"round; accepted by depth {m['accepted_per_pos']}")
     lines.append(f"  link          {_mb(m['link_bytes_h2d'])} host->device (restores), "
                  f"{_mb(m['link_bytes_d2h'])} device->host (write-backs)")
     if policy.fill:

@@ -56,6 +56,10 @@ GiB = 1 << 30
 # Draft tokens per round when a proposer is given without a number (the reference
 # implementation's middle choice of {1, 2, 4, 6, 8}).
 DEFAULT_SPECULATIVE_TOKENS = 4
+# Most nodes of one request's token tree per round (Sequoia and SpecExec size trees for
+# offloaded inference up to a few hundred at batch 1; batched, 64 query positions a request is
+# already far past what a round's verification compute hides behind the link).
+MAX_TREE_NODES = 64
 
 
 def default_offload_after(max_model_len: int) -> int:
@@ -108,7 +112,15 @@ class EngineConfig:
     # Tokens of prefill a step may carry (prefill is chunked by this).
     max_prefill_tokens: int = 1024
     # Draft tokens per round (q); None: DEFAULT_SPECULATIVE_TOKENS with a proposer, else 0.
+    # With token trees: the depth of a request's tree.
     num_speculative_tokens: int | None = None
+    # Token trees (SGLang's --speculative-eagle-topk): children per expanded node of a
+    # request's draft tree; 1 = a chain of num_speculative_tokens drafts (no tree).
+    speculative_topk: int = 1
+    # Token trees: draft tokens (tree nodes) per request and round, the last accepted token not
+    # counted (SGLang's --speculative-num-draft-tokens counts it). None: num_speculative_tokens
+    # (a chain's q). Each is a query position of the round and a KV slot until acceptance.
+    speculative_num_draft_tokens: int | None = None
     # "draft" (a draft model, needs draft_model) or "ngram".
     proposer: str | None = None
     draft_model: str | None = None
@@ -153,6 +165,7 @@ class EngineConfig:
             raise ValueError(
                 f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {q}")
         self._check_speculation(q)
+        self._check_tree(q)
         if self.draft_cache not in ("window", "full"):
             raise ValueError(f"draft_cache must be 'window' or 'full', got {self.draft_cache!r}")
         if self.residency not in ("fill", "tail"):
@@ -186,6 +199,38 @@ class EngineConfig:
                 f"(proposer='draft' with a draft_model, or 'ngram'); mode {plain!r} decodes "
                 "the same offloaded history without one")
 
+    def _check_tree(self, q: int) -> None:
+        """Token trees: a draft model's top-k children under a node budget of at least the
+        depth; the n-gram proposer drafts chains only."""
+        topk, budget = self.speculative_topk, self.speculative_num_draft_tokens
+        for name, value in (("speculative_topk", topk), ("speculative_num_draft_tokens", budget)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be an integer, got {value!r}")
+        if not 1 <= topk <= MAX_TREE_NODES:
+            raise ValueError(f"speculative_topk must be in [1, {MAX_TREE_NODES}], got {topk}")
+        if topk > 1 and self.proposer != "draft":
+            why = ("the n-gram proposer drafts one chain (the continuation of the last match)"
+                   if self.proposer == "ngram" else "there is no proposer")
+            raise ValueError(
+                f"speculative_topk={topk} asks for token trees, which the draft model proposes "
+                f"(proposer='draft' with a draft_model); {why}: use speculative_topk=1")
+        if budget is None:
+            return
+        if not self.proposer:
+            raise ValueError(f"speculative_num_draft_tokens={budget} needs a proposer")
+        if not 1 <= budget <= MAX_TREE_NODES:
+            raise ValueError(f"speculative_num_draft_tokens must be in [1, {MAX_TREE_NODES}], "
+                             f"got {budget}")
+        if topk == 1 and budget != q:
+            raise ValueError(
+                f"speculative_num_draft_tokens={budget} with speculative_topk=1: a chain "
+                f"verifies exactly num_speculative_tokens={q} drafts; give speculative_topk > 1 "
+                "for a tree of that many nodes, or drop speculative_num_draft_tokens")
+        if budget < q:
+            raise ValueError(
+                f"speculative_num_draft_tokens={budget} is less than the depth "
+                f"num_speculative_tokens={q}: a tree that deep needs at least {q} nodes")
+
     @property
     def mode_spec(self) -> ModeSpec:
         return MODES[self.mode]
@@ -199,6 +244,24 @@ class EngineConfig:
     def q(self) -> int:
         """Draft tokens per round (``num_speculative_tokens`` once resolved; 0 = none)."""
         return self.num_speculative_tokens or 0
+
+    @property
+    def tree(self) -> bool:
+        """Rounds verify token trees (more than one child per expanded node)."""
+        return self.speculative_topk > 1
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens (tree nodes) of one request per round: the node budget with trees,
+        q for chains (0 without speculation)."""
+        budget = self.speculative_num_draft_tokens
+        return budget if budget is not None and self.speculative else self.q
+
+    @property
+    def verify_tokens(self) -> int:
+        """Query positions (and KV slots) of one request in a decode round: its last token and
+        its drafts."""
+        return self.num_draft_tokens + 1
 
     @property
     def device_budget(self) -> int:

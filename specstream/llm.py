@@ -151,9 +151,11 @@ class LLM:
 
 def _wants_draft(kwargs: dict[str, Any]) -> bool:
     """Whether options for the embedded target ask for speculation without naming a proposer
-    (draft tokens per round, or a mode that verifies drafts): the embedded draft answers."""
+    (draft tokens per round, token trees, or a mode that verifies drafts): the embedded draft
+    answers."""
     proposer = kwargs.get("proposer")
     if proposer is not None:
         return bool(proposer == "draft")
     mode = MODES.get(kwargs.get("mode", EngineConfig.mode))
-    return bool(kwargs.get("num_speculative_tokens")) or (mode is not None and mode.needs_drafts)
+    return (bool(kwargs.get("num_speculative_tokens")) or (kwargs.get("speculative_topk") or 1) > 1
+            or (mode is not None and mode.needs_drafts))

@@ -73,7 +73,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "blocks hold the newest history; only the overflow streams) or tail "
                         "(a fixed resident tail per request)")
     p.add_argument("-q", "--num-speculative-tokens", type=int, default=4,
-                   help="draft tokens per round in the speculative modes")
+                   help="draft tokens per round in the speculative modes (a tree's depth)")
+    p.add_argument("--speculative-topk", type=int, default=1,
+                   help="token trees: children per expanded node (1: chains of -q drafts)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="token trees: nodes per request and round, the last accepted token not "
+                        "counted (default: -q)")
     p.add_argument("--chunk-tokens", type=int, default=BenchSettings.chunk_tokens,
                    help="tokens per streamed restore chunk")
     p.add_argument("--staging-buffers", type=int, default=BenchSettings.staging_buffers,
@@ -109,7 +114,10 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         # the emulated link's rate; a real device's link sets its own pace (and the floors
         # then use the rate the engine measures)
         link_gbps=None if args.device.startswith("cuda") else args.link_gbps,
-        num_speculative_tokens=args.num_speculative_tokens, chunk_tokens=args.chunk_tokens,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_topk=args.speculative_topk,
+        speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+        chunk_tokens=args.chunk_tokens,
         staging_buffers=args.staging_buffers, wave_requests=args.wave_requests,
         block_size=args.block_size,
         resident_tail_tokens=args.resident_tail_tokens,
@@ -245,6 +253,10 @@ def _argv(args: argparse.Namespace) -> list[str]:
         if k == "device_kv_bytes" and args.device_kv_fraction is not None:
             k = "device_kv_fraction"  # the budget it resolves to is in the settings
         out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    if args.speculative_topk != 1:
+        out += ["--speculative-topk", str(args.speculative_topk)]
+    if args.speculative_num_draft_tokens is not None:
+        out += ["--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens)]
     if args.sweep_residency:
         out += ["--sweep-residency", "--fractions", args.fractions]
     if args.quick:

@@ -32,6 +32,10 @@ class BenchSettings:
     host_kv_bytes: int = 4 << 30
     link_gbps: float | None = 1.0
     num_speculative_tokens: int = 4
+    # Token trees: children per expanded node (1: chains) and nodes per request and round
+    # (None: num_speculative_tokens).
+    speculative_topk: int = 1
+    speculative_num_draft_tokens: int | None = None
     block_size: int = 128
     # 2048-token chunks as the reference implementation. Two staging slots of two-request chunk
     # waves: four chunks in flight, not the reference's two: on the CPU backend a draft step
@@ -66,6 +70,9 @@ class BenchSettings:
         kw.update(self.extra)
         if mode != "offload":
             kw.update(proposer="draft", num_speculative_tokens=self.num_speculative_tokens)
+            if self.speculative_topk != 1 or self.speculative_num_draft_tokens is not None:
+                kw.update(speculative_topk=self.speculative_topk,
+                          speculative_num_draft_tokens=self.speculative_num_draft_tokens)
         return kw
 
 
@@ -80,7 +87,8 @@ def resident_fit_bytes(workload: Workload, s: BenchSettings) -> int:
     reserves per request (prompt, output and one round's drafts, block-rounded, plus one), with
     10% to spare."""
     per_token = _target_config(s).kv_bytes_per_token(_dtype_bytes(s))
-    bs, step = s.block_size, s.num_speculative_tokens + 1
+    bs = s.block_size
+    step = (s.speculative_num_draft_tokens or s.num_speculative_tokens) + 1
     blocks = sum(-(-(n + workload.output_len + step) // bs) + 1
                  for n in workload.context_lengths)
     return int(1.1 * blocks * bs * per_token)

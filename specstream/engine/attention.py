@@ -6,18 +6,25 @@ positions among them; each longer prefill chunk alone (padding a decode to a 1,0
 would cost more than a launch). A bucket's queries are gathered into ``[W, P, H, D]`` with one
 index, its resident tails into ``[W, T, kv, D]`` with one more, and its outputs go back to the
 step's token rows with a third.
+
+The tail (the request's device window, new tokens included) is one wave, causal among the new
+tokens, unless a request of the bucket verifies a token tree: then it is two, the committed part
+of the window (every query sees all of it) and the new tokens under an explicit mask (a tree
+node sees its ancestors and itself, a chain's or a prefill chunk's token the tokens before it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from specstream.attention.waves import WaveShape
 from specstream.backends.base import to_device
-from specstream.engine.step import StepPlan
+from specstream.engine.step import SeqWork, StepPlan
 from specstream.kvcache.storage import KVStore
+from specstream.spec.tree import DraftTree, tree_mask
 
 # Requests with at most this many positions in a step share one bucket.
 DECODE_POSITIONS = 32
@@ -31,14 +38,44 @@ class Bucket:
     tail_blocks: torch.Tensor  # [W * TB] device blocks of the tails, padded per request
     tail_first: int  # >= 0: one request whose tail blocks are consecutive from here (a view)
     tail_tokens: int  # TB * block_size
-    tail_shape: WaveShape  # key lengths = tail lengths; causal offset = tail length - positions
+    # key lengths = tail lengths; causal offset = tail length - positions. Tree buckets: the
+    # committed part of the tails (key lengths = tail length - positions, no offset) of the
+    # requests that have one (None: none has)
+    tail_shape: WaveShape | None
+    # tree buckets: the new tokens as keys ([W, P], the queries' own rows) and their mask
+    new_shape: WaveShape | None = None
 
 
-def buckets_of(num_tokens: list[int]) -> list[list[int]]:
-    """Indices grouped into query buckets (see the module docstring)."""
-    small = [i for i, n in enumerate(num_tokens) if n <= DECODE_POSITIONS]
-    large = [[i] for i, n in enumerate(num_tokens) if n > DECODE_POSITIONS]
+Wave = tuple[torch.Tensor, torch.Tensor, WaveShape]  # k, v [W, N, num_kv_heads, head_dim]
+
+
+def buckets_of(num_tokens: list[int], limit: int = DECODE_POSITIONS) -> list[list[int]]:
+    """Indices grouped into query buckets (see the module docstring); ``limit``: the most
+    positions a request of the shared bucket may have."""
+    small = [i for i, n in enumerate(num_tokens) if n <= limit]
+    large = [[i] for i, n in enumerate(num_tokens) if n > limit]
     return ([small] if small else []) + large
+
+
+def new_token_mask(seqs: list[SeqWork], num_q: int) -> torch.Tensor:  # [W, P, P] bool, host
+    """Which new tokens of each request each of its query positions sees: a tree's nodes their
+    ancestors and themselves (``spec.tree.tree_mask``), everyone else's tokens the ones before
+    them; a padding position its own (padding) column, so no row is empty."""
+    mask = torch.zeros(len(seqs), num_q, num_q, dtype=torch.bool)
+    causal = torch.ones(num_q, num_q, dtype=torch.bool).tril_()
+    for w, s in enumerate(seqs):
+        n = len(s.token_ids)
+        if s.is_tree:
+            nodes = s.token_ids[n - s.num_drafts :]
+            # the inputs before the root (none in a decode round) are a causal prefix
+            m = causal[:n, :n].clone()
+            m[n - s.num_drafts - 1 :, n - s.num_drafts - 1 :] = tree_mask(
+                DraftTree(nodes, s.parents))
+            mask[w, :n, :n] = m
+        else:
+            mask[w, :n, :n] = causal[:n, :n]
+        mask[w, n:].diagonal(offset=n).fill_(True)
+    return mask
 
 
 class StepKV:
@@ -63,7 +100,10 @@ class StepKV:
         self.buckets: list[Bucket] = []
         out_index = [0] * row
         base = 0
-        for members in buckets_of([len(s.token_ids) for s in plan.seqs]):
+        # every decode round shares a bucket (a token tree may have more positions than
+        # DECODE_POSITIONS)
+        limit = max([DECODE_POSITIONS] + [len(s.token_ids) for s in plan.seqs if s.num_drafts])
+        for members in buckets_of([len(s.token_ids) for s in plan.seqs], limit):
             seqs = [plan.seqs[i] for i in members]
             p = max(len(s.token_ids) for s in seqs)
             q_index, tail_blocks, tail_len, offset = [], [], [], []
@@ -85,11 +125,24 @@ class StepKV:
             only = used[0] if len(seqs) == 1 else ()
             consecutive = bool(only) and all(only[j + 1] == only[j] + 1
                                              for j in range(len(only) - 1))
+            if any(s.is_tree for s in seqs):
+                # committed keys: every query sees them all (a request with none sits out: a
+                # row that sees no key of a wave must not be in it)
+                having = [w for w, n in enumerate(offset) if n > 0]
+                tail_shape = None if not having else WaveShape.build(
+                    None if len(having) == len(seqs) else having,
+                    [offset[w] for w in having], tb * bs, None, device)
+                mask = new_token_mask(seqs, p)
+                if device.type != "cpu":  # pinned and non-blocking, as ``upload``
+                    mask = mask.pin_memory().to(device, non_blocking=True)
+                new_shape = WaveShape.build(None, [p] * len(seqs), p, None, device, tree=mask)
+            else:
+                tail_shape = WaveShape.build(None, tail_len, tb * bs, offset, device)
+                new_shape = None
             self.buckets.append(Bucket(
                 members, p, to_device(q_index, torch.long, device),
                 to_device(tail_blocks, torch.long, device),
-                only[0] if consecutive else -1, tb * bs,
-                WaveShape.build(None, tail_len, tb * bs, offset, device)))
+                only[0] if consecutive else -1, tb * bs, tail_shape, new_shape))
         self.out_index = to_device(out_index, torch.long, device)
 
     @property
@@ -102,13 +155,22 @@ class StepKV:
         tail slots."""
         self.store.write(layer, self.slot_blocks, self.slot_offsets, k, v)
 
-    def tail(self, layer: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor, WaveShape]:
-        """K and V ``[W, T, num_kv_heads, head_dim]`` of the bucket's resident tails (new tokens
-        included, padded to T) and their shape (causal among the new tokens)."""
+    def tail(self, layer: int, bucket: int, k: torch.Tensor, v: torch.Tensor) -> Iterator[Wave]:
+        """The bucket's resident tails as waves: K and V ``[W, T, num_kv_heads, head_dim]``
+        (new tokens included, padded to T) causal among the new tokens; or, in a bucket with a
+        token tree, the committed part of the tails, then the new tokens (``k``, ``v``: this
+        layer's, ``[num_tokens, num_kv_heads, head_dim]``) under their mask."""
         b, cfg = self.buckets[bucket], self.store.cfg
-        if b.tail_first >= 0:
-            x = self.store.device[layer, :, b.tail_first : b.tail_first + b.tail_blocks.numel()]
-        else:
-            x = self.store.device[layer].index_select(1, b.tail_blocks)  # [2, W*TB, bs, kv, D]
-        x = x.reshape(2, len(b.members), b.tail_tokens, cfg.num_kv_heads, cfg.head_dim)
-        return x[0], x[1], b.tail_shape
+        if b.tail_shape is not None:
+            if b.tail_first >= 0:
+                x = self.store.device[layer, :, b.tail_first : b.tail_first + b.tail_blocks.numel()]
+            else:
+                x = self.store.device[layer].index_select(1, b.tail_blocks)  # [2, W*TB, bs, kv, D]
+            x = x.reshape(2, len(b.members), b.tail_tokens, cfg.num_kv_heads, cfg.head_dim)
+            if b.tail_shape.index is not None:  # some requests have no committed keys
+                x = x.index_select(1, b.tail_shape.index)
+            yield x[0], x[1], b.tail_shape
+        if b.new_shape is not None:
+            w, p = len(b.members), b.num_q
+            yield (k[b.q_index].view(w, p, *k.shape[1:]), v[b.q_index].view(w, p, *v.shape[1:]),
+                   b.new_shape)

@@ -39,7 +39,14 @@ MAX_ROUND_RECORDS = 100_000  # round records kept for the bench and traces (~10 
 class LLMEngine:
     """Continuous-batching engine over one target model (and optionally a proposer)."""
 
-    def __init__(self, model: str | Path, config: EngineConfig, trace: bool = False) -> None:
+    def __init__(self, model: str | Path, config: EngineConfig, trace: bool = False,
+                 proposer: Proposer | None = None) -> None:
+        """``proposer``: a proposer object to draft with instead of the one ``config.proposer``
+        names (tests, experiments); the config must still ask for speculation, and its draft
+        model is then not loaded."""
+        if proposer is not None and not config.speculative:
+            raise ValueError("a proposer was given but the config does not speculate: set "
+                             "proposer (and num_speculative_tokens) in the config too")
         self.config = config
         self.tracer = Tracer(trace)
         device = config.device
@@ -84,7 +91,8 @@ class LLMEngine:
                                    eos_token_ids=layout.eos_token_ids,
                                    decode=tok.decode if tok is not None else None)
         self.attention = ATTENTION.get(resolve_backend(config.attention_backend, device))
-        self.proposer = self._make_proposer() if config.speculative else None
+        self.proposer = (proposer if proposer is not None
+                         else self._make_proposer() if config.speculative else None)
         self.worker = Worker(self.model, self.store, self.backend, self.history, self.proposer,
                              DRAFTING.get(drafting_for(mode.drafting, device))(
                                  self.tracer, self.backend),
@@ -108,7 +116,8 @@ class LLMEngine:
                 f"({self.model_config.vocab_size})"
             )
         return DraftModelProposer(draft, cfg.draft_cache, cfg.draft_window_tokens,
-                                  cfg.draft_sink_tokens, cfg.q, attention=self.attention)
+                                  cfg.draft_sink_tokens, cfg.q, attention=self.attention,
+                                  max_draft_topk=cfg.speculative_topk)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -206,7 +215,8 @@ class LLMEngine:
         for s in plan.seqs:
             new = result.new_tokens.get(s.request_id)
             if s.sample and not s.prefill and new is not None:
-                st.count_accepted(s.num_drafts, len(new) - 1)
+                st.count_accepted(s.num_drafts, len(new) - 1, max(s.depths, default=0),
+                                  tree=bool(s.parents))
         end = time.perf_counter()
         records = self.backend.busy_intervals()
         self.backend.reset_stats()
@@ -263,6 +273,7 @@ class LLMEngine:
             draft_tokens=sum(len(d) for d in result.drafts.values()),
             draft_seqs=len(result.drafts), link_floor_s=link_floor, history_bytes=history,
             history_floor_bytes=history_floor,
+            tree_nodes=sum(s.num_drafts for s in plan.seqs if s.parents),
         ))
         if decode:
             self.tracer.add("round", "round", result.start, end)

@@ -40,6 +40,8 @@ class Request:
     num_computed_tokens: int = 0
     # Draft tokens proposed for the next round (verified together with the last token).
     draft_token_ids: list[int] = field(default_factory=list)
+    # Their parents when they form a token tree (see SeqWork.parents); None = a chain.
+    draft_parents: list[int] | None = None
     draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), V] or None
     # Overlapped modes: drafts for the next round are still to be made (in the next step).
     needs_draft: bool = False

@@ -5,8 +5,12 @@ The scheduler decided *what* (which requests, which chunks, which drafts); this 
 q/k/v; their K/V into the resident tail; then the cold history as it lands, wave by wave (each
 wave one attention call for every query position of every request in it; the drafter takes the
 wait while a wave is still in flight, each landed wave's slot goes to the next copy); then the
-resident tails, causally; the partial results merge exactly (online softmax) and the rest of
-the layer runs. Verification (``worker.py``) reads the returned hidden states.
+resident tails, causally (a bucket with a token tree: the committed tails, then the new tokens
+under the tree's mask); the partial results merge exactly (online softmax) and the rest of the
+layer runs. Verification (``worker.py``) reads the returned hidden states.
+
+A token tree's nodes take the KV slots after the root in node order, but their positions (RoPE)
+are the root's plus their depth: siblings are alternatives for the same position.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ def run_round(
     ``copies_issued`` runs once the first copies are in flight (the drafter's cue on CUDA)."""
     device = store.device.device
     ids = [t for s in plan.seqs for t in s.token_ids]
-    pos = [p for s in plan.seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))]
+    pos = [p for s in plan.seqs for p in s.positions()]
     ids_t, pos_t = upload([ids, pos], torch.long, device)  # no stream sync on a GPU
     assert ids_t is not None and pos_t is not None
     x, (cos, sin) = model.embed(ids_t, pos_t)
@@ -52,7 +56,8 @@ def run_round(
             for bucket, hk, hv, shape in history.waves(layer, while_waiting=gap):
                 atts[bucket].add(hk, hv, shape)
             for bucket, att in enumerate(atts):
-                att.add(*kv.tail(layer, bucket))
+                for wave in kv.tail(layer, bucket, k, v):
+                    att.add(*wave)
             outs = [att.result().flatten(0, 1) for att in atts]  # [W * P, heads, D]
             out = (outs[0] if len(outs) == 1 else torch.cat(outs))[kv.out_index]
             x = block.finish(x, out)

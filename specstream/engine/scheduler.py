@@ -93,7 +93,7 @@ class Scheduler:
         """Device blocks of the request's steady tail; host blocks of its whole history."""
         total = len(req.prompt_token_ids) + req.params.max_tokens
         bs, p = self.config.block_size, self.kv.policy
-        step = self.config.q + 1
+        step = self.config.verify_tokens
         if p.fill:  # the tail is the minimum; blocks beyond it are shared (_rebalance)
             tail = min(p.resident_tail_tokens, total) + step
         elif p.offload:
@@ -205,7 +205,7 @@ class Scheduler:
             if r.in_prefill:  # room for the whole prompt: its chunks land in the share
                 blocks = max(blocks, -(-len(r.prompt_token_ids) // bs))
             else:
-                growth += kv.device_blocks_needed(r.request_id, self.config.q + 1)
+                growth += kv.device_blocks_needed(r.request_id, self.config.verify_tokens)
             pinned = len(seq.device_blocks) - seq.droppable
             floors.append(min(blocks, max(tail, pinned)))
             caps.append(blocks)
@@ -305,10 +305,12 @@ class Scheduler:
                 prefill_budget -= take
                 tokens = req.all_token_ids[req.num_computed_tokens : req.num_computed_tokens + take]
                 drafts: list[int] = []
+                parents: tuple[int, ...] = ()
                 sample = req.num_computed_tokens + take == req.num_tokens
             else:
                 tokens = [req.all_token_ids[-1]]
                 drafts = list(req.draft_token_ids)
+                parents = tuple(req.draft_parents or ())
                 sample = True
             inputs = tuple(tokens) + tuple(drafts)
             self.kv.allocate(rid, len(inputs))
@@ -324,6 +326,7 @@ class Scheduler:
                 device_blocks=tuple(seq.device_blocks),
                 restore_chunks=tuple(c.host_blocks for c in self.kv.restore_chunks(rid)),
                 params=req.params,
+                parents=parents,
             ))
         finished, self._finished = tuple(self._finished), []
         # `restore` modes: pool blocks for two layers of the step's history, lent for the step
@@ -357,11 +360,14 @@ class Scheduler:
         return tuple(w for w in work if w.count(0) > 0)
 
     def _draft(self, req: Request, after_verify: bool) -> DraftWork:
-        q = req.params.num_speculative_tokens
+        cfg, q = self.config, req.params.num_speculative_tokens
+        depth = cfg.q if q is None else q
         return DraftWork(
             request_id=req.request_id, token_ids=tuple(req.all_token_ids),
-            num_tokens=self.config.q if q is None else q, room=self._room(req),
-            params=req.params, after_verify=after_verify)
+            num_tokens=depth, room=self._room(req), params=req.params,
+            after_verify=after_verify, topk=cfg.speculative_topk,
+            # a request's own depth may exceed the engine's node budget: a chain that deep
+            max_nodes=max(cfg.num_draft_tokens, depth) if cfg.tree else None)
 
     def _room(self, req: Request) -> int:
         """Tokens the request may still generate (its max_tokens and the model's context)."""
@@ -410,7 +416,7 @@ class Scheduler:
                 if req.group < 0 and self.two_groups:
                     self.assign_group(req)
                 req.needs_draft = self._draft(req, after_verify=False).count(0) > 0
-                req.draft_token_ids = []
+                req.draft_token_ids, req.draft_parents = [], None
         for d in plan.drafts:
             req = self.requests.get(d.request_id)
             if req is None or req.finished:
@@ -421,6 +427,7 @@ class Scheduler:
                 self.finish(req, "error", output.errors[d.request_id])
             elif d.request_id in output.drafts:
                 req.draft_token_ids = list(output.drafts[d.request_id])
+                req.draft_parents = output.draft_parents.get(d.request_id)
                 req.needs_draft = False
         return result
 
@@ -439,7 +446,8 @@ class Scheduler:
     def _commit(self, work: SeqWork, req: Request, num_new_tokens: int) -> None:
         """Record a step's KV for one request (drafts past the accepted ones roll back)."""
         if work.sample:
-            # the inputs up to the accepted drafts now have KV; the newest token does not
+            # the inputs up to the accepted drafts now have KV; the newest token does not (a
+            # tree's accepted path: the worker moved its KV to the slots right after the root)
             kept = work.start_pos + len(work.token_ids) - work.num_drafts + num_new_tokens - 1
         else:
             kept = work.start_pos + len(work.token_ids)

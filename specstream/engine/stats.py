@@ -33,6 +33,7 @@ class RoundStats:
     draft_tokens: int  # draft tokens proposed in the step
     draft_seqs: int  # requests that drafted in the step
     link_floor_s: float  # link_bytes at the link's rate
+    tree_nodes: int = 0  # draft tokens verified as token trees (all requests)
     history_bytes: int = 0  # host-to-device bytes of history (restored or streamed)
     history_floor_bytes: int = 0  # the step's history that cannot be resident (see engine)
 
@@ -47,12 +48,15 @@ class EngineStats:
     prefill_tokens: int = 0
     generated_tokens: int = 0
     # Speculation, vLLM's way: rounds that verified drafts (per request), draft tokens
-    # verified, accepted, and accepted per draft position.
+    # verified, accepted, and accepted per draft position (a tree's: per depth).
     rounds: int = 0
     num_drafts: int = 0
     proposed_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    # Token trees: rounds (per request) that verified a tree, and the nodes they verified.
+    tree_rounds: int = 0
+    tree_nodes: int = 0
     # The link and the device.
     link_bytes_h2d: int = 0
     link_bytes_d2h: int = 0
@@ -75,15 +79,22 @@ class EngineStats:
     kv_history_block_s: float = 0.0
     step_wall_s: float = 0.0
 
-    def count_accepted(self, num_drafts: int, num_accepted: int) -> None:
-        """One request's verification round."""
+    def count_accepted(self, num_drafts: int, num_accepted: int, depth: int | None = None,
+                       tree: bool = False) -> None:
+        """One request's verification round: ``num_drafts`` drafts (a tree's nodes) of which
+        ``num_accepted`` were accepted (a path of a tree, at most ``depth`` deep; a chain's
+        depth is ``num_drafts``)."""
         self.rounds += 1
         self.proposed_tokens += num_drafts
         self.accepted_tokens += num_accepted
+        if tree:
+            self.tree_rounds += 1
+            self.tree_nodes += num_drafts
+        depth = num_drafts if depth is None else depth
         if num_drafts:
             self.num_drafts += 1
-            if num_drafts > len(self.accepted_per_pos):
-                self.accepted_per_pos += [0] * (num_drafts - len(self.accepted_per_pos))
+            if depth > len(self.accepted_per_pos):
+                self.accepted_per_pos += [0] * (depth - len(self.accepted_per_pos))
             for i in range(num_accepted):
                 self.accepted_per_pos[i] += 1
 
@@ -93,6 +104,8 @@ class EngineStats:
         rounds, proposed, dt = self.rounds, self.proposed_tokens, self.decode_time_s
         d["acceptance_rate"] = self.accepted_tokens / proposed if proposed else 0.0
         d["mean_accepted_len"] = (self.accepted_tokens + rounds) / rounds if rounds else 0.0
+        d["mean_tree_nodes_per_round"] = (self.tree_nodes / self.tree_rounds
+                                          if self.tree_rounds else 0.0)
         # time-weighted over decode steps
         d["link_utilization"] = self.decode_link_busy_s / dt if dt else 0.0
         floor = self.decode_link_floor_s

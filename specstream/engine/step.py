@@ -38,6 +38,35 @@ class SeqWork:
     # `fill`: device blocks for the newest len(promote) host-read blocks; the step copies those
     # blocks there as they pass (restored or streamed), and they join the window after it.
     promote: tuple[int, ...] = ()
+    # The drafts as a token tree: the parent of each draft (-1 = the last sampled token, the
+    # root), parents before children (``spec.tree.DraftTree``); empty = a chain. A tree's
+    # drafts take the KV slots after the root in draft order; their positions are the root's
+    # plus their depth.
+    parents: tuple[int, ...] = ()
+
+    @property
+    def is_tree(self) -> bool:
+        """The drafts branch (a tree given as a chain is verified as one)."""
+        return any(p != i - 1 for i, p in enumerate(self.parents))
+
+    @property
+    def depths(self) -> tuple[int, ...]:
+        """Depth below the root of each draft (1 .. num_drafts for a chain)."""
+        if not self.parents:
+            return tuple(range(1, self.num_drafts + 1))
+        d: list[int] = []
+        for p in self.parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return tuple(d)
+
+    def positions(self) -> list[int]:
+        """Absolute position of each input token: consecutive, except a tree's nodes, which
+        sit at the root's position plus their depth (siblings share one)."""
+        if not self.is_tree:
+            return list(range(self.start_pos, self.start_pos + len(self.token_ids)))
+        root = self.start_pos + len(self.token_ids) - self.num_drafts - 1
+        return (list(range(self.start_pos, root + 1))
+                + [root + d for d in self.depths])
 
 
 @dataclass(frozen=True)
@@ -47,7 +76,7 @@ class DraftWork:
     request_id: str
     # Every token of the request known at scheduling time (prompt + output).
     token_ids: tuple[int, ...]
-    # Draft tokens wanted (the request's q).
+    # Draft tokens wanted (the request's q); with token trees, the tree's depth.
     num_tokens: int
     # Tokens the request may still generate after token_ids (max_tokens and the context
     # both counted); drafts never run past it.
@@ -57,10 +86,14 @@ class DraftWork:
     # from the tokens the verification emitted (appended to token_ids). False: it is not
     # verified in this step, and its drafts are made while the step verifies others.
     after_verify: bool
+    # Token trees: children per expanded node (1 = a chain) and the tree's nodes at most
+    # (None = a chain of ``count`` drafts).
+    topk: int = 1
+    max_nodes: int | None = None
 
     def count(self, num_new: int) -> int:
         """Drafts to make once ``num_new`` more tokens are known (a bonus token always follows
-        the drafts, so they stop one short of the room)."""
+        the drafts, so they stop one short of the room); a tree's depth at most."""
         return max(0, min(self.num_tokens, self.room - num_new - 1))
 
 
@@ -108,6 +141,8 @@ class StepOutput:
     new_tokens: dict[str, list[int]] = field(default_factory=dict)
     # request id -> draft tokens made in this step, for its next verification.
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> the parents of its drafts, where they form a token tree (see SeqWork).
+    draft_parents: dict[str, list[int]] = field(default_factory=dict)
     # request id -> why its work failed (a transfer, its drafting, the whole step).
     errors: dict[str, str] = field(default_factory=dict)
     # Timings (perf_counter seconds): step start, wall time, time blocked on the link, drafting.

@@ -3,6 +3,12 @@
 The worker reads the plan and never touches requests; it returns a StepOutput. What has device
 state lives here, keyed by request id: the proposer's draft caches, each request's generator,
 the draft probabilities its pending drafts were sampled from.
+
+Token trees: a round where some request verifies a tree accepts every request's drafts with
+``accept_tree_on_device`` (chains as trees of one branch; an all-chain round keeps
+``accept_drafts_on_device``). The accepted path's nodes sit in the KV slots the round gave them
+(node i right after the root plus i); after the read-back one copy over all layers moves them
+to the slots after the root in path order, where the scheduler's commit keeps them.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from specstream.models.decoder import CausalLM
 from specstream.sampling import make_generator
 from specstream.sampling_params import SamplingParams
 from specstream.spec.acceptance import accept_drafts_on_device
-from specstream.spec.proposer import ProposeJob, Proposer, ProposeRequest
+from specstream.spec.proposer import Proposal, ProposeJob, Proposer, ProposeRequest
+from specstream.spec.tree import DraftTree, accept_tree_on_device
 
 
 @dataclass
@@ -41,8 +48,11 @@ class _Verdict:
 
     seqs: list[SeqWork]  # the verified requests
     # [B * (q + 1 + 1)]: per request its accepted-draft count, then q + 1 tokens (the accepted
-    # drafts and the recovered or bonus token, padded)
+    # drafts and the recovered or bonus token, padded). Tree rounds: [B * 2], per request its
+    # deepest accepted node (-1: none) and the recovered or bonus token.
     packed: torch.Tensor
+    # Tree rounds: every verified request's drafts as a tree (chains as one branch).
+    trees: list[DraftTree] | None = None
 
 
 class Worker:
@@ -145,7 +155,8 @@ class Worker:
             new = new_tokens.get(d.request_id, [])
             if d.count(len(new)) > 0:
                 batch.append(ProposeRequest(d.request_id, d.token_ids + tuple(new),
-                                            d.count(len(new)), d.params))
+                                            d.count(len(new)), d.params, topk=d.topk,
+                                            max_nodes=d.max_nodes))
             else:
                 out.drafts[d.request_id] = []
         while batch:
@@ -181,6 +192,12 @@ class Worker:
         with sync_point():  # the drafts come back (nothing left to read when ``read`` is given)
             proposals = job.result(read)
         for r, prop in zip(job.requests, proposals):
+            if prop.parents is not None:
+                problem = _tree_problem(r, prop)
+                if problem:
+                    out.errors[r.request_id] = f"drafting failed: {problem}"
+                    continue
+                out.draft_parents[r.request_id] = list(prop.parents)
             out.drafts[r.request_id] = list(prop.token_ids)
             self.draft_probs[r.request_id] = prop.probs
 
@@ -203,8 +220,10 @@ class Worker:
         hidden: torch.Tensor,  # [num_tokens, hidden]
     ) -> _Verdict:
         """Acceptance of the sampled requests, left on the device (nothing read back)."""
-        q = max(plan.seqs[i].num_drafts for i in sampled)
         seqs = [plan.seqs[i] for i in sampled]
+        if any(s.is_tree for s in seqs):
+            return self._verify_trees(seqs, [rows[i] for i in sampled], hidden)
+        q = max(s.num_drafts for s in seqs)
         index, draft_ids = [], []
         for i, s in zip(sampled, seqs):
             hi, n = rows[i][1], s.num_drafts + 1
@@ -232,19 +251,111 @@ class Worker:
         )
         return _Verdict(seqs, torch.cat([num_accepted[:, None], tokens], dim=1).flatten())
 
+    def _verify_trees(
+        self,
+        seqs: list[SeqWork],
+        rows: list[tuple[int, int]],  # each request's rows in hidden
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+    ) -> _Verdict:
+        """Acceptance of a round with token trees, left on the device: every input row of a
+        request is a logits row ([root, node 0, ...], as ``accept_tree`` packs them)."""
+        index: list[int] = []
+        trees, probs = [], []
+        for (_, hi), s in zip(rows, seqs):
+            index += range(hi - s.num_drafts - 1, hi)
+            nodes = tuple(s.token_ids[len(s.token_ids) - s.num_drafts :])
+            tree = DraftTree(nodes, s.parents) if s.parents else DraftTree.chain(nodes)
+            trees.append(tree)
+            probs.append(self._tree_probs(s, tree))
+        index_t = upload([index], torch.long, self.device)[0]
+        assert index_t is not None
+        logits = self.model.compute_logits(hidden[index_t])  # [sum_b (N_b + 1), V]
+        last, extra = accept_tree_on_device(
+            logits, trees, probs if any(p is not None for p in probs) else None,
+            [s.params for s in seqs], [self._generator(s.request_id, s.params) for s in seqs])
+        return _Verdict(seqs, torch.stack([last, extra], dim=1).flatten(), trees)
+
+    def _tree_probs(self, s: SeqWork, tree: DraftTree) -> torch.Tensor | None:
+        """The request's draft distributions as ``accept_tree`` reads them (``[N + 1, V]``:
+        row 1 + i what node i's children were drawn from, row 0 the root's), or None for
+        point masses and greedy requests. A node's probs are the distribution it was drawn
+        from, which its siblings share (i.i.d. children)."""
+        p = self.draft_probs.get(s.request_id) if s.num_drafts else None
+        if p is None or s.params.greedy:
+            return None
+        n = len(tree)
+        rows = torch.zeros(n + 1, p.shape[-1], dtype=torch.float32, device=self.device)
+        if not s.is_tree:
+            rows[:n] = p[:n]
+        else:
+            for i, parent in enumerate(tree.parents):
+                rows[parent + 1] = p[i]
+        return rows
+
     def _apply(self, verdict: _Verdict, values: list[int], out: StepOutput) -> None:
-        """The verified requests' tokens, read back: ``[count, tokens (q + 1)]`` each."""
+        """The verified requests' tokens, read back: ``[count, tokens (q + 1)]`` each, or in a
+        tree round ``[deepest accepted node, extra token]``; then the accepted paths' KV moves
+        into place."""
         width = len(values) // len(verdict.seqs)
+        moves: list[tuple[int, int, int, int]] = []
         for b, s in enumerate(verdict.seqs):
             r = values[b * width : (b + 1) * width]
-            toks = r[1 : 2 + r[0]]
+            if verdict.trees is None:
+                toks = r[1 : 2 + r[0]]
+            else:
+                tree = verdict.trees[b]
+                path = tree.path(r[0])
+                toks = [tree.tokens[i] for i in path] + [r[1]]
+                moves += self._path_moves(s, path)
             out.new_tokens[s.request_id] = toks
             if self.proposer is not None:  # the draft forgets what the target rejected
-                self.proposer.rollback(s.request_id, s.start_pos + len(s.token_ids)
-                                       - s.num_drafts + len(toks) - 1)
+                # a tree's nodes sit in the draft's cache in node order: keep up to the root,
+                # the draft reads the accepted tokens again when it next catches up
+                self.proposer.rollback(
+                    s.request_id, s.start_pos + len(s.token_ids) - s.num_drafts
+                    + (0 if s.parents else len(toks) - 1))
+        if moves:
+            self._compact(moves)
+
+    def _path_moves(self, s: SeqWork, path: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
+        """(source block, offset, destination block, offset) of the accepted nodes whose KV
+        is not yet where the path puts it: node i sits right after the root plus i, the k-th
+        node of the path belongs k after the root."""
+        bs = self.store.block_size
+        root = s.start_pos + len(s.token_ids) - s.num_drafts - 1
+        moves = []
+        for k, node in enumerate(path, 1):
+            if node + 1 != k:
+                src, dst = root + 1 + node - s.host_tokens, root + k - s.host_tokens
+                moves.append((s.device_blocks[src // bs], src % bs,
+                               s.device_blocks[dst // bs], dst % bs))
+        return moves
+
+    def _compact(self, moves: list[tuple[int, int, int, int]]) -> None:
+        """Copy the K/V of every layer from the accepted nodes' slots to their path slots, in
+        one gather and one scatter (all sources read before any is overwritten)."""
+        cols = upload([list(c) for c in zip(*moves)], torch.long, self.device)
+        src_b, src_o, dst_b, dst_o = (c for c in cols if c is not None)
+        dev = self.store.device  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        dev[:, :, dst_b, dst_o] = dev[:, :, src_b, src_o]
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         """The request's own generator (seeded requests), made when first needed."""
         if request_id not in self.generators:
             self.generators[request_id] = make_generator(params, self.device)
         return self.generators[request_id]
+
+
+def _tree_problem(r: ProposeRequest, prop: Proposal) -> str | None:
+    """Why a proposed token tree cannot be verified (None: it can): a malformed tree, or one
+    past the request's depth (its room) or node budget."""
+    assert prop.parents is not None
+    try:
+        tree = DraftTree(tuple(prop.token_ids), tuple(prop.parents))
+    except (TypeError, ValueError) as exc:
+        return f"malformed token tree: {exc}"
+    budget = r.num_tokens if r.max_nodes is None else r.max_nodes
+    if tree.depth > r.num_tokens or len(tree) > budget:
+        return (f"a token tree of {len(tree)} nodes, {tree.depth} deep, past the "
+                f"{budget} nodes and depth {r.num_tokens} asked for")
+    return None

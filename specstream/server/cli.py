@@ -2,7 +2,9 @@
 
 Speculation is set with the engine flags (``--proposer``, ``--draft-model``, ``-q``) or with
 vLLM's ``--speculative-config '{"method": ..., "model": ..., "num_speculative_tokens": ...}'``,
-which :func:`apply_speculative_config` maps onto those flags (a mismatch is an error).
+which :func:`apply_speculative_config` maps onto those flags (a mismatch is an error). Token
+trees take the engine flags ``--speculative-topk`` (alias SGLang's ``--speculative-eagle-topk``)
+and ``--speculative-num-draft-tokens``.
 """
 
 from __future__ import annotations

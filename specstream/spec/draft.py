@@ -14,6 +14,9 @@ Draft steps never read a tensor value on the host: the next step's input ids are
 previous step sampled, index lists reach the device in one pinned, non-blocking copy per step,
 and which request drafts in which step follows from the requested counts. ``DraftJob.result``
 brings every drafted token back in one read-back.
+
+Requests with ``topk > 1`` draft token trees instead (``draft_tree.py``): still one batched
+forward per level, but each level's top-k comes back to the host to choose the next one.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from specstream.engine.request import RequestError
 from specstream.models.decoder import CausalLM
 from specstream.sampling import SamplingTensors, logits_to_probs, make_generator, sample
 from specstream.sampling_params import derive_seed
-from specstream.spec.draft_kv import DraftForward, DraftKVPool, DraftSeqCache
+from specstream.spec.draft_kv import DraftForward, DraftKVPool, DraftSeqCache, TreeQueries
 from specstream.spec.proposer import (
     Proposal,
     ProposeJob,
@@ -45,7 +48,7 @@ class DraftModelProposer(Proposer):
     def __init__(
         self, model: CausalLM, cache: str = "window", window_tokens: int = 1024,
         sink_tokens: int = 4, max_draft_tokens: int = 16,
-        attention: type[WaveAttention] = TorchWaves,
+        attention: type[WaveAttention] = TorchWaves, max_draft_topk: int = 1,
     ) -> None:
         if cache not in ("window", "full"):
             raise ValueError(f"draft cache policy must be 'window' or 'full', got {cache!r}")
@@ -56,7 +59,12 @@ class DraftModelProposer(Proposer):
         # window policy: evict once the window overgrows by this much (one copy per `slack`
         # tokens instead of one per step)
         self.slack = 64
-        self.capacity = (sink_tokens + window_tokens + self.slack + 2 * max_draft_tokens
+        # entries a round adds to an evicted window: a chain's catch-up and drafts (2 q); a
+        # tree's catch-up (q + 1) and the nodes it feeds (topk per level but the last), which
+        # stay until the round ends (``max_draft_topk``: the widest tree to size for; wider
+        # ones grow the pool)
+        self.capacity = (sink_tokens + window_tokens + self.slack
+                         + (max(max_draft_topk, 1) + 1) * max_draft_tokens
                          if cache == "window" else 2048)
         self.device = next(model.parameters()).device
         self.pool = DraftKVPool(model, self.capacity)
@@ -67,6 +75,7 @@ class DraftModelProposer(Proposer):
     def _catch_up(self, c: DraftSeqCache, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
         """Tokens (and positions) the draft has not processed yet; at least the last token (a
         request with nothing new feeds its last token again, its cache rolled back by one)."""
+        c.drop_tree()  # a tree round's nodes (normally dropped when its job ended)
         if c.num_tokens >= len(tokens) > 0:
             self._rollback(c, len(tokens) - 1)
         start = c.num_tokens
@@ -76,7 +85,9 @@ class DraftModelProposer(Proposer):
         return [tokens[p] for p in todo], todo
 
     def _evict(self, c: DraftSeqCache) -> None:
-        if self.policy == "window" and c.length > self.sinks + self.window + self.slack:
+        # never while tree nodes are cached: they would move into the window
+        if (self.policy == "window" and c.tree_entries == 0
+                and c.length > self.sinks + self.window + self.slack):
             self.pool.evict(c.slot, c.length, self.sinks, self.window)
             c.length = self.sinks + self.window
 
@@ -87,6 +98,7 @@ class DraftModelProposer(Proposer):
 
     @staticmethod
     def _rollback(c: DraftSeqCache, num_tokens_kept: int) -> None:
+        c.drop_tree()
         if c.num_tokens <= num_tokens_kept:
             return
         drop = c.num_tokens - num_tokens_kept
@@ -100,12 +112,13 @@ class DraftModelProposer(Proposer):
 
     # ---- drafting -------------------------------------------------------------------
     def _prepare(self, caches: list[DraftSeqCache], counts: list[int], positions: list[int],
-                 extra: Sequence[Sequence[int] | None]) -> DraftForward:
+                 extra: Sequence[Sequence[int] | None],
+                 tree: Sequence[TreeQueries | None] | None = None) -> DraftForward:
         """The layout of a forward feeding ``counts[i]`` tokens to request i (``positions``
-        flattened), with the pool grown to hold them."""
+        flattened), with the pool grown to hold them; ``tree``: see ``DraftForward``."""
         self.pool.reserve(max(c.length + n for c, n in zip(caches, counts)))
         return DraftForward(self.pool, caches, counts, positions, self.attention,
-                             self.model.config.head_dim**-0.5, extra)
+                             self.model.config.head_dim**-0.5, extra, tree)
 
     @torch.no_grad()
     def _forward(self, fwd: DraftForward, ids: Tensor, caches: list[DraftSeqCache],
@@ -126,7 +139,12 @@ class DraftModelProposer(Proposer):
 
     def start(self, requests: Sequence[ProposeRequest]) -> DraftJob:
         """Drafting as a job that advances one draft forward pass per ``step()``, so the engine
-        can run it in the gaps that transfers leave."""
+        can run it in the gaps that transfers leave. A batch with a tree request (``topk > 1``)
+        is a ``DraftTreeJob`` (its chain requests draft as chains there)."""
+        if any(r.topk > 1 for r in requests):
+            from specstream.spec.draft_tree import DraftTreeJob  # it builds on DraftJob
+
+            return DraftTreeJob(self, requests)
         return DraftJob(self, requests)
 
 
@@ -143,7 +161,8 @@ class DraftJob(ProposeJob):
     def __init__(self, proposer: DraftModelProposer, requests: Sequence[ProposeRequest]) -> None:
         super().__init__(proposer, requests)
         self.p = p = proposer
-        self.active = [r for r in self.requests if r.num_tokens > 0]
+        self.active = [r for r in self.requests if r.num_tokens > 0 and (
+            r.topk == 1 or request_max_nodes(r) > 0)]
         new = {r.request_id: r for r in self.active if r.request_id not in p.caches}
         gens = [_draft_generator(r, p.device) for r in new.values()]  # may refuse a request
         for rid, gen, slot in zip(new, gens, p.pool.take(len(new))):
@@ -241,6 +260,11 @@ class DraftJob(ProposeJob):
             out[r.request_id] = Proposal(
                 drafted[i], None if r.params.greedy else torch.stack(probs[i]))
         return [out[r.request_id] for r in self.requests]
+
+
+def request_max_nodes(r: ProposeRequest) -> int:
+    """The node budget of a tree request (None: ``num_tokens``)."""
+    return r.num_tokens if r.max_nodes is None else r.max_nodes
 
 
 def _rows(t: SamplingTensors, rows: Tensor | None) -> SamplingTensors:

@@ -111,6 +111,14 @@ class DraftSeqCache:
         self.pool, self.slot, self.generator = pool, slot, generator
         self.length = 0  # cached entries
         self.num_tokens = 0  # request tokens processed (evicted ones included)
+        # The last ``tree_entries`` of the ``length`` entries are nodes of a draft tree under
+        # construction (not request tokens: their positions repeat); a round drops them.
+        self.tree_entries = 0
+
+    def drop_tree(self) -> None:
+        """Forget the tree nodes: the cache holds the request's tokens only."""
+        self.length -= self.tree_entries
+        self.tree_entries = 0
 
     @property
     def k(self) -> Tensor:  # [layers, capacity, kv_heads, D], filled to length
@@ -119,6 +127,15 @@ class DraftSeqCache:
     @property
     def v(self) -> Tensor:  # [layers, capacity, kv_heads, D]
         return self.pool.kv[:, 1, self.slot]
+
+
+# A request's queries in a tree forward: ``(start, seen)``. Every query sees the request's
+# first ``start`` entries (its tokens); query t also sees the entries ``start + e`` for e in
+# ``seen[t]`` (its ancestors among the tree nodes already cached, and itself among the new ones).
+TreeQueries = tuple[int, Sequence[Sequence[int]]]
+# per bucket, the index lists sent to the device: queries, slots, key lengths, causal offsets,
+# and for tree buckets the visible prefix and the tree region's mask
+_LISTS_PER_BUCKET = 6
 
 
 @dataclass
@@ -141,11 +158,16 @@ class DraftForward:
     Laid out on the host from lengths alone; its index tensors reach the device in one transfer
     (with ``extra``, int lists the caller wants there too). Per layer, ``attend`` writes the new
     tokens' K/V into their slots and makes one attention call per query bucket.
+
+    ``tree`` (one ``TreeQueries`` or None per request; None: causal as usual) makes the buckets
+    with a tree request attend under an explicit mask (``WaveShape.tree``), built on the device
+    from each request's visible prefix and a small mask over the rest of its entries.
     """
 
     def __init__(self, pool: DraftKVPool, caches: list[DraftSeqCache], counts: list[int],
                  positions: list[int], attention: type[WaveAttention], scale: float,
-                 extra: Sequence[Sequence[int] | None]) -> None:
+                 extra: Sequence[Sequence[int] | None],
+                 tree: Sequence[TreeQueries | None] | None = None) -> None:
         self.pool, self.attention, self.scale = pool, attention, scale
         cap = pool.capacity
         rows = [0, *accumulate(counts)]  # request i's tokens are rows rows[i] .. rows[i + 1]
@@ -164,16 +186,22 @@ class DraftForward:
             slots = [c.slot for c in seqs]
             key_len = [c.length + counts[i] for c, i in zip(seqs, members)]
             n_keys = max(key_len)
+            masks = None if tree is None or all(tree[i] is None for i in members) else [
+                _tree_queries(tree[i], c.length, counts[i]) for c, i in zip(seqs, members)]
+            width = 0 if masks is None else max(len(m[1][0]) for m in masks)
             layout.append((w, p, rows[members[0]] if dense else -1,
                            slots[0] if consecutive(slots) else -1, n_keys,
-                           p == 1 and all(n == n_keys for n in key_len)))
+                           p == 1 and masks is None and all(n == n_keys for n in key_len),
+                           width))
             lists += [
                 None if dense else [rows[i] + min(t, counts[i] - 1)
                                     for i in members for t in range(p)],
                 None if consecutive(slots) else slots,
                 key_len,
                 # a single query sees all its request's keys: no causal offset needed
-                None if p == 1 else [c.length for c in seqs],
+                None if p == 1 or masks is not None else [c.length for c in seqs],
+                None if masks is None else [m[0] for m in masks],
+                None if masks is None else _padded_mask(masks, p, width),
             ]
         identity = base == rows[-1] and out_index == list(range(base))  # no padding
         sent = upload([positions, write, last, None if identity else out_index, *extra, *lists],
@@ -181,11 +209,16 @@ class DraftForward:
         self.positions, self.write, self.last, self.out_index = sent[:4]
         self.extra = sent[4 : 4 + len(extra)]
         self.buckets = []
-        for b, (w, p, q_first, first_slot, n_keys, full) in enumerate(layout):
-            q_index, slot_index, key_len_t, offset = sent[4 + len(extra) + 4 * b :][:4]
+        for b, (w, p, q_first, first_slot, n_keys, full, width) in enumerate(layout):
+            at = 4 + len(extra) + _LISTS_PER_BUCKET * b
+            q_index, slot_index, key_len_t, offset, start, small = sent[at : at + 6]
             assert key_len_t is not None
-            self.buckets.append(DraftBucket(w, p, q_first, q_index, first_slot, slot_index, n_keys,
-                                        WaveShape(None, key_len_t, offset, full)))
+            mask = None
+            if start is not None and small is not None:
+                mask = _device_tree_mask(start, small.view(w, p, width) != 0, n_keys)
+            self.buckets.append(DraftBucket(
+                w, p, q_first, q_index, first_slot, slot_index, n_keys,
+                WaveShape(None, key_len_t, offset, full, mask)))
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # q: [num_tokens, heads, D]; k, v: [num_tokens, kv_heads, D] -> [num_tokens, heads, D]
@@ -202,3 +235,42 @@ class DraftForward:
             outs.append(att.result().flatten(0, 1))  # [W * P, heads, D]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out if self.out_index is None else out.index_select(0, self.out_index)
+
+
+def _tree_queries(tree: TreeQueries | None, length: int, count: int) -> TreeQueries:
+    """A request's queries as ``(start, rows)``: ``rows[t]`` the bools over its entries
+    ``start .. length + count``; a request without a tree is causal over its new tokens."""
+    if tree is None:
+        return length, [[u <= t for u in range(count)] for t in range(count)]
+    start, seen = tree
+    if len(seen) != count:
+        raise ValueError(f"tree queries: {len(seen)} visibility lists for {count} tokens")
+    width = length + count - start
+    rows = []
+    for entries in seen:
+        row = [False] * width
+        for e in entries:
+            row[e] = True
+        rows.append(row)
+    return start, rows
+
+
+def _padded_mask(masks: list[TreeQueries], num_q: int, width: int) -> list[int]:
+    """The bucket's masks over the tree regions, ``[W, P, width]`` flat; padding queries repeat
+    their request's last row (their output is discarded, but a row must see some key)."""
+    flat: list[int] = []
+    for _, rows in masks:
+        for t in range(num_q):
+            row = rows[min(t, len(rows) - 1)]
+            flat += [int(x) for x in row] + [0] * (width - len(row))
+    return flat
+
+
+def _device_tree_mask(start: Tensor, small: Tensor, num_keys: int) -> Tensor:
+    # start: [W] entries every query sees; small: [W, P, T] bool over entries start .. + T
+    # -> [W, P, N] bool
+    w, p, t = small.shape
+    rel = torch.arange(num_keys, device=start.device)[None, :] - start[:, None]  # [W, N]
+    seen = small.gather(2, rel.clamp(0, t - 1)[:, None, :].expand(w, p, num_keys))
+    inside = (rel >= 0) & (rel < t)
+    return (rel < 0)[:, None, :] | (seen & inside[:, None, :])

@@ -22,21 +22,32 @@ class ProposeRequest:
     request_id: str
     # All tokens so far: prompt + generated output (the last one is the last accepted token).
     token_ids: Sequence[int]
-    # How many draft tokens to propose (a proposer may return fewer).
+    # How many draft tokens to propose (a proposer may return fewer); with a token tree, its
+    # depth at most (the request's room: no path may run past it).
     num_tokens: int
     # The request's sampling parameters; model proposers process their logits with them.
     params: SamplingParams
+    # Token trees: children per expanded node (1 = a chain of num_tokens drafts).
+    topk: int = 1
+    # Token trees: nodes of the tree at most (None = num_tokens, a chain).
+    max_nodes: int | None = None
 
 
 @dataclass
 class Proposal:
     """Draft tokens for one request."""
 
-    # The proposed tokens, at most ProposeRequest.num_tokens of them (may be empty).
+    # The proposed tokens, at most ProposeRequest.num_tokens of them (may be empty); a token
+    # tree's nodes (at most max_nodes, at most num_tokens deep), every parent before its
+    # children.
     token_ids: list[int]
     # [len(token_ids), V] fp32: the processed draft distribution each token was sampled from,
-    # or None for point-mass (deterministic) proposers.
+    # or None for point-mass (deterministic) proposers, such as top-k trees. A tree's siblings
+    # must then be i.i.d. draws from the same distribution (``spec/tree.py``).
     probs: Tensor | None = None
+    # Token trees: the parent of each token (index into token_ids; -1 = a child of the last
+    # accepted token), as ``spec.tree.DraftTree``; None = a chain.
+    parents: list[int] | None = None
 
 
 class ProposeJob:
