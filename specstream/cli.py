@@ -62,6 +62,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token trees: draft tokens (nodes) per request and round, at least -q "
                         f"and at most {MAX_TREE_NODES}; unlike SGLang's flag of that name the "
                         "last accepted token is not counted (default: -q, a chain's drafts)")
+    g.add_argument("--speculative-policy", choices=["auto", "fixed"], default=None,
+                   help="'fixed': every round drafts -q tokens; 'auto': the engine chooses each "
+                        "round's chain depth (0 to -q) for the most expected tokens per second "
+                        f"from what it measures (default: {_default('speculative_policy')})")
     g.add_argument("--device", default="cpu", help="cpu, or cuda[:N]")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV dtype (auto: bfloat16 on cuda, float32 on cpu)")

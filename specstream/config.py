@@ -121,6 +121,11 @@ class EngineConfig:
     # counted (SGLang's --speculative-num-draft-tokens counts it). None: num_speculative_tokens
     # (a chain's q). Each is a query position of the round and a KV slot until acceptance.
     speculative_num_draft_tokens: int | None = None
+    # "fixed": every round drafts num_speculative_tokens. "auto": before each round the
+    # engine chooses the chain depth (0 = no speculation, up to num_speculative_tokens) with
+    # the most expected tokens per second, from the link time, verification and draft time it
+    # measures and the acceptance it sees (engine/shaping.py). Chains only for now.
+    speculative_policy: str = "fixed"
     # "draft" (a draft model, needs draft_model) or "ngram".
     proposer: str | None = None
     draft_model: str | None = None
@@ -166,6 +171,7 @@ class EngineConfig:
                 f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {q}")
         self._check_speculation(q)
         self._check_tree(q)
+        self._check_policy()
         if self.draft_cache not in ("window", "full"):
             raise ValueError(f"draft_cache must be 'window' or 'full', got {self.draft_cache!r}")
         if self.residency not in ("fill", "tail"):
@@ -198,6 +204,18 @@ class EngineConfig:
                 f"mode {self.mode!r} verifies drafts every round and needs a proposer "
                 f"(proposer='draft' with a draft_model, or 'ngram'); mode {plain!r} decodes "
                 "the same offloaded history without one")
+
+    def _check_policy(self) -> None:
+        if self.speculative_policy not in ("auto", "fixed"):
+            raise ValueError("speculative_policy must be 'auto' or 'fixed', got "
+                             f"{self.speculative_policy!r}")
+        if self.speculative_policy == "auto" and not self.proposer:
+            raise ValueError("speculative_policy='auto' chooses how many drafts to verify and "
+                             "needs a proposer")
+        if self.speculative_policy == "auto" and self.tree:
+            raise ValueError("speculative_policy='auto' chooses chain depths; token trees "
+                             "(speculative_topk > 1) are verified as configured for now: use "
+                             "speculative_policy='fixed' with them")
 
     def _check_tree(self, q: int) -> None:
         """Token trees: a draft model's top-k children under a node budget of at least the

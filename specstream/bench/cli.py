@@ -79,6 +79,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="token trees: nodes per request and round, the last accepted token not "
                         "counted (default: -q)")
+    p.add_argument("--speculative-policy", choices=["auto", "fixed"], default="fixed",
+                   help="speculative modes: 'auto' chooses each round's chain depth up to -q "
+                        "from what the engine measures, 'fixed' drafts -q (default: fixed)")
     p.add_argument("--chunk-tokens", type=int, default=BenchSettings.chunk_tokens,
                    help="tokens per streamed restore chunk")
     p.add_argument("--staging-buffers", type=int, default=BenchSettings.staging_buffers,
@@ -117,7 +120,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_topk=args.speculative_topk,
         speculative_num_draft_tokens=args.speculative_num_draft_tokens,
-        chunk_tokens=args.chunk_tokens,
+        speculative_policy=args.speculative_policy, chunk_tokens=args.chunk_tokens,
         staging_buffers=args.staging_buffers, wave_requests=args.wave_requests,
         block_size=args.block_size,
         resident_tail_tokens=args.resident_tail_tokens,
@@ -257,6 +260,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
         out += ["--speculative-topk", str(args.speculative_topk)]
     if args.speculative_num_draft_tokens is not None:
         out += ["--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens)]
+    if args.speculative_policy != "fixed":
+        out += ["--speculative-policy", args.speculative_policy]
     if args.sweep_residency:
         out += ["--sweep-residency", "--fractions", args.fractions]
     if args.quick:

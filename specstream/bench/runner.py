@@ -36,6 +36,8 @@ class BenchSettings:
     # (None: num_speculative_tokens).
     speculative_topk: int = 1
     speculative_num_draft_tokens: int | None = None
+    # "fixed" (q drafts a round) or "auto" (the engine chooses each round's depth)
+    speculative_policy: str = "fixed"
     block_size: int = 128
     # 2048-token chunks as the reference implementation. Two staging slots of two-request chunk
     # waves: four chunks in flight, not the reference's two: on the CPU backend a draft step
@@ -69,7 +71,8 @@ class BenchSettings:
                   seed=self.seed)
         kw.update(self.extra)
         if mode != "offload":
-            kw.update(proposer="draft", num_speculative_tokens=self.num_speculative_tokens)
+            kw.update(proposer="draft", num_speculative_tokens=self.num_speculative_tokens,
+                      speculative_policy=self.speculative_policy)
             if self.speculative_topk != 1 or self.speculative_num_draft_tokens is not None:
                 kw.update(speculative_topk=self.speculative_topk,
                           speculative_num_draft_tokens=self.speculative_num_draft_tokens)

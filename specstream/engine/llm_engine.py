@@ -19,6 +19,7 @@ from specstream.engine.history import make_source
 from specstream.engine.layout import RuntimeLayout
 from specstream.engine.request import CompletionOutput, Request, RequestError, RequestOutput
 from specstream.engine.scheduler import Scheduler
+from specstream.engine.shaping import RoundShaper
 from specstream.engine.stats import EngineStats, RoundStats
 from specstream.engine.step import StepOutput, StepPlan
 from specstream.engine.trace import Tracer
@@ -277,6 +278,23 @@ class LLMEngine:
         ))
         if decode:
             self.tracer.add("round", "round", result.start, end)
+        shaper = self.scheduler.shaper
+        if shaper is not None and decode and not prefill_tokens:
+            self._observe_shape(shaper, plan, result, busy, wall)
+
+    def _observe_shape(self, shaper: RoundShaper, plan: StepPlan, result: StepOutput,
+                       link_s: float, wall: float) -> None:
+        """What a decode round measured, for the next rounds' depth (speculative_policy auto):
+        verification = the time neither blocked on the link nor drafting; the draft job's
+        forwards as levels of its requests."""
+        drafted = [len(d) for d in result.drafts.values() if d]
+        steps = [len(drafted)] * max(drafted, default=0)
+        verified = [(s.num_drafts, len(result.new_tokens[s.request_id]) - 1)
+                    for s in plan.seqs if s.sample and s.request_id in result.new_tokens]
+        shaper.observe(link_s, max(0.0, wall - result.wait_s - result.draft_s), plan.num_tokens,
+                       steps, result.draft_s, verified)
+        depth = self.scheduler.draft_depth
+        self.tracer.add("shape", f"depth {depth}", result.start, result.start, depth=depth)
 
     def _link_rate(self) -> float:
         """Bytes/s of the link: the emulated rate where one is set, else the measured one."""
@@ -305,6 +323,9 @@ class LLMEngine:
     def get_metrics(self) -> dict[str, Any]:
         """The stats (``EngineStats.as_dict``) plus KV usage of both tiers and the queues."""
         c = self.stats.as_dict()
+        shaper = self.scheduler.shaper
+        # speculative_policy auto: how often each chain depth was chosen (0 = no drafts)
+        c["speculative_depth_chosen"] = dict(shaper.chosen) if shaper is not None else {}
         block_bytes = self.store.block_bytes
         dev, host = self.kv.device, self.kv.host
         c.update({

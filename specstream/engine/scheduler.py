@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 from specstream.config import EngineConfig
 from specstream.engine.request import Request, Status
+from specstream.engine.shaping import RoundShaper
 from specstream.engine.step import DraftWork, SeqWork, StepOutput, StepPlan, StepUpdate, Writebacks
 from specstream.kvcache.manager import KVManager, residency_targets
 
@@ -74,6 +75,11 @@ class Scheduler:
         spec = config.mode_spec
         self.two_groups = config.speculative and spec.two_groups
         self._parity = 0
+        # speculative_policy "auto": the chain depth of each step's drafts (engine/shaping.py;
+        # the engine feeds it what every round measured)
+        self.shaper = (RoundShaper(config.q, spec.drafting)
+                       if config.speculative and config.speculative_policy == "auto" else None)
+        self._depth = config.q
         # `fill`: what the step needs beyond the shares, counted by _rebalance before it
         # allocates anything: restore-mode room for its history (pool blocks lent to it) and
         # the decode rounds' new blocks
@@ -181,6 +187,11 @@ class Scheduler:
             self.running.append(req)
         self.max_concurrency = max(self.max_concurrency, len(self.running))
 
+    @property
+    def draft_depth(self) -> int:
+        """The chain depth this step's drafts were asked for (the policy's last choice)."""
+        return self._depth
+
     # ---- residency (`fill`) ---------------------------------------------------------------
     def _rebalance(self) -> None:
         """Share the device blocks among the running requests: each keeps at least its
@@ -278,6 +289,9 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         self._admit()
         self._rebalance()
+        if self.shaper is not None:  # requests verified per round: a group, or all of them
+            decoding = sum(not r.in_prefill for r in self.running)
+            self._depth = self.shaper.depth(-(-decoding // (2 if self.two_groups else 1)))
         prefilling = self.two_groups and any(r.in_prefill for r in self.running)
         group = None if prefilling else self._verify_group()
         seqs: list[SeqWork] = []
@@ -362,6 +376,8 @@ class Scheduler:
     def _draft(self, req: Request, after_verify: bool) -> DraftWork:
         cfg, q = self.config, req.params.num_speculative_tokens
         depth = cfg.q if q is None else q
+        if self.shaper is not None:
+            depth = min(depth, self._depth)
         return DraftWork(
             request_id=req.request_id, token_ids=tuple(req.all_token_ids),
             num_tokens=depth, room=self._room(req), params=req.params,

@@ -1,0 +1,66 @@
+"""speculative_policy = "auto": the engine picks each round's chain depth from what it measures;
+outputs stay exact whatever it picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specstream import LLM, SamplingParams
+from specstream.config import EngineConfig
+from specstream.engine.shaping import RoundShaper
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (n,), generator=g).tolist() for n in lengths]
+
+
+def _feed(shaper: RoundShaper, rounds: int, link_s: float, verify: tuple[float, float],
+          draft: tuple[float, float], accept: float, n: int = 8) -> None:
+    """Rounds of n requests with chains of the shaper's current depth, accepted as a
+    geometric law of rate ``accept`` would on average (deterministic)."""
+    for _ in range(rounds):
+        q = shaper.depth(n)
+        expect = sum(accept ** (d + 1) for d in range(q))
+        accepted = min(q, round(expect))
+        shaper.observe(link_s, verify[0] + verify[1] * n * (q + 1), n * (q + 1),
+                       [n] * q, q * (draft[0] + draft[1] * n), [(q, accepted)] * n)
+
+
+def test_shaper_goes_long_when_link_bound_and_off_when_drafting_does_not_pay():
+    link_bound = RoundShaper(max_depth=16, drafting="gaps", prior_acceptance=0.75)
+    _feed(link_bound, 60, link_s=0.8, verify=(0.005, 0.0002), draft=(0.004, 0.0001),
+          accept=0.75)
+    assert link_bound.depth(8) >= 8
+    useless = RoundShaper(max_depth=8, drafting="sequential", prior_acceptance=0.2)
+    _feed(useless, 60, link_s=0.0, verify=(0.01, 0.004), draft=(0.01, 0.004), accept=0.2)
+    picks = [useless.depth(8) for _ in range(64)]
+    # no speculation, but for every 32nd decision, which drafts one token to keep learning
+    assert picks.count(0) == 62 and picks.count(1) == 2
+
+
+def test_auto_policy_is_validated():
+    with pytest.raises(ValueError, match="needs a proposer"):
+        EngineConfig(mode="resident", speculative_policy="auto")
+    with pytest.raises(ValueError, match="'auto' or 'fixed'"):
+        EngineConfig(mode="resident", proposer="ngram", speculative_policy="sometimes")
+
+
+@pytest.mark.parametrize("mode", ["resident", "offload-spec", "specstream"])
+def test_auto_policy_output_equals_target_only(tiny_target, mode):
+    prompts = _prompts((300, 420, 200))
+    ref_llm = LLM(tiny_target, mode="resident", device_kv_bytes=4_000_000, block_size=16)
+    ref = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, GREEDY, use_tqdm=False)]
+    ref_llm.close()
+    llm = LLM(tiny_target, mode=mode, proposer="ngram", num_speculative_tokens=8,
+              speculative_policy="auto", block_size=16, chunk_tokens=64,
+              device_kv_bytes=600_000 if mode != "resident" else 4_000_000,
+              resident_tail_tokens=32, max_prefill_tokens=128)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    chosen = llm.get_metrics()["speculative_depth_chosen"]
+    assert sum(chosen.values()) > 0 and all(0 <= d <= 8 for d in chosen)
+    llm.close()
