@@ -171,7 +171,8 @@ def test_models_health_metrics(server: LiveServer) -> None:
                  'specstream_link_bytes_total{direction="d2h"}',
                  'specstream_time_to_first_token_seconds_bucket{le="+Inf"}',
                  "specstream_link_bytes_per_round", "specstream_link_bytes_floor_per_round",
-                 "specstream_device_kv_utilization"):
+                 "specstream_device_kv_utilization", "specstream_spec_decode_tree_nodes_total",
+                 "specstream_spec_decode_tree_rounds_total"):
         assert name in m, name
     assert 0 < m["specstream_device_kv_utilization"] <= 1  # the request's KV sat there
     assert m["specstream_link_bytes_per_round"] >= 0
@@ -445,3 +446,17 @@ def test_serve_load_bench_runs_against_the_server(server: LiveServer, tmp_path: 
     assert record["output_throughput"] > 0 and record["ttft_ms"]["p50"] > 0
     assert record["tpot_ms"]["p99"] >= record["tpot_ms"]["p50"] > 0
     assert record["server"]["generation_tokens_total"] >= 12  # read from the labelled /metrics
+
+
+def test_depth_chosen_and_tree_counters_are_exported() -> None:
+    from specstream.server.metrics import MetricsExporter, ServerMetrics
+
+    sm = ServerMetrics()
+    sm.on_engine({"speculative_depth_chosen": {0: 5, 4: 2, 12: 1}, "tree_rounds": 3,
+                  "tree_nodes": 24})
+    text = MetricsExporter("m").render([sm.snapshot(0)]).decode()
+    m = parse_metrics(text, model="m")
+    assert [m[f'specstream_spec_decode_depth_chosen_total{{depth="{d}"}}']
+            for d in (0, 4, 12)] == [5, 2, 1]
+    assert m["specstream_spec_decode_tree_rounds_total"] == 3
+    assert m["specstream_spec_decode_tree_nodes_total"] == 24

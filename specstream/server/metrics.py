@@ -151,8 +151,13 @@ class ServerMetrics:
                     "spec_decode_num_drafts": e.get("num_drafts", 0),
                     "spec_decode_num_draft_tokens": e.get("proposed_tokens", 0),
                     "spec_decode_num_accepted_tokens": e.get("accepted_tokens", 0),
+                    "spec_decode_tree_rounds": e.get("tree_rounds", 0),
+                    "spec_decode_tree_nodes": e.get("tree_nodes", 0),
                     "engine_loop_errors": self.loop_errors,
                 },
+                # speculative_policy auto: rounds per chosen chain depth
+                "depth_chosen": {str(k): v for k, v in
+                                 e.get("speculative_depth_chosen", {}).items()},
                 "spec_rounds": e.get("rounds", 0),  # for the mean accepted length
                 "accepted_per_pos": list(e.get("accepted_per_pos", [])),
                 "kv_blocks_used": {t: e.get(f"{t}_kv_blocks_used", 0) for t in TIERS},
@@ -303,6 +308,16 @@ class MetricsExporter:
             ("num_accepted_tokens", "Draft tokens accepted.", accepted),
         ):
             yield self.family("counter", f"specstream_spec_decode_{name}", help, [({}, value)])
+        for name, help in (
+            ("tree_rounds", "Verification rounds (per request) that checked a token tree."),
+            ("tree_nodes", "Draft tokens verified as token-tree nodes."),
+        ):
+            yield self.family("counter", f"specstream_spec_decode_{name}", help,
+                              [({}, counter[f"spec_decode_{name}"])])
+        yield self.family("counter", "specstream_spec_decode_depth_chosen",
+                          "Steps by the chain depth speculative_policy=auto chose (0: none).",
+                          [({"depth": k}, v) for k, v in sorted(m["depth_chosen"].items(),
+                                                                key=lambda kv: int(kv[0]))])
         yield self.family("counter", "specstream_spec_decode_num_accepted_tokens_per_pos",
                           "Accepted draft tokens by position in the draft (0 = first).",
                           [({"position": str(i)}, v)
