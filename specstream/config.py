@@ -121,10 +121,12 @@ class EngineConfig:
     # counted (SGLang's --speculative-num-draft-tokens counts it). None: num_speculative_tokens
     # (a chain's q). Each is a query position of the round and a KV slot until acceptance.
     speculative_num_draft_tokens: int | None = None
-    # "fixed": every round drafts num_speculative_tokens. "auto": before each round the
-    # engine chooses the chain depth (0 = no speculation, up to num_speculative_tokens) with
-    # the most expected tokens per second, from the link time, verification and draft time it
-    # measures and the acceptance it sees (engine/shaping.py). Chains only for now.
+    # "fixed": every round drafts num_speculative_tokens (a tree as configured). "auto":
+    # before each round the engine chooses the shape (a chain of depth 0 = no speculation up
+    # to num_speculative_tokens; with speculative_topk > 1 also trees of that branching up to
+    # speculative_num_draft_tokens nodes) with the most expected tokens per second, from the
+    # link, verification and draft time it measures and the acceptance it sees
+    # (engine/shaping.py).
     speculative_policy: str = "fixed"
     # "draft" (a draft model, needs draft_model) or "ngram".
     proposer: str | None = None
@@ -212,10 +214,6 @@ class EngineConfig:
         if self.speculative_policy == "auto" and not self.proposer:
             raise ValueError("speculative_policy='auto' chooses how many drafts to verify and "
                              "needs a proposer")
-        if self.speculative_policy == "auto" and self.tree:
-            raise ValueError("speculative_policy='auto' chooses chain depths; token trees "
-                             "(speculative_topk > 1) are verified as configured for now: use "
-                             "speculative_policy='fixed' with them")
 
     def _check_tree(self, q: int) -> None:
         """Token trees: a draft model's top-k children under a node budget of at least the

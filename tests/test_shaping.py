@@ -64,3 +64,38 @@ def test_auto_policy_output_equals_target_only(tiny_target, mode):
     chosen = llm.get_metrics()["speculative_depth_chosen"]
     assert sum(chosen.values()) > 0 and all(0 <= d <= 8 for d in chosen)
     llm.close()
+
+
+def test_shaper_offers_trees_and_takes_one_when_verification_is_nearly_free():
+    shaper = RoundShaper(max_depth=6, drafting="gaps", max_topk=4, max_nodes=32,
+                         prior_acceptance=0.55)
+    assert {s.num_nodes for s in shaper.candidates if s.topk > 1} >= {12, 24, 32}
+    # tree walks where the target often takes a lower-ranked child
+    walk = [(4, 0), (4, 1), (4, 0), (4, None)]
+    for _ in range(80):
+        shaper.shape(8)
+        shaper.observe(0.8, 0.01, 8 * 33, [32] * 6, 0.03, [], [walk] * 8)
+    pick = shaper.shape(8)
+    assert pick.topk == 4 and pick.num_nodes > pick.depth
+    assert shaper.acceptance.beta(1) > 0.15  # learnt from the walks (prior: 0.55 / 4)
+
+
+def test_auto_policy_with_trees_is_exact_and_learns_ranks(tiny_target):
+    """The target drafting for itself accepts nearly everything: on a slow link the policy
+    verifies deep trees; outputs equal target-only decoding whatever it picks."""
+    prompts = _prompts((300, 420, 360), seed=3)
+    ref_llm = LLM(tiny_target, mode="resident", device_kv_bytes=4_000_000, block_size=16)
+    ref = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, GREEDY, use_tqdm=False)]
+    ref_llm.close()
+    llm = LLM(tiny_target, mode="specstream", draft_model=str(tiny_target),
+              num_speculative_tokens=4, speculative_topk=2, speculative_num_draft_tokens=16,
+              speculative_policy="auto", residency="tail", link_gbps=0.05, block_size=16,
+              chunk_tokens=64, device_kv_bytes=600_000, resident_tail_tokens=32,
+              offload_after_tokens=64, max_prefill_tokens=128)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    m = llm.get_metrics()
+    assert m["tree_rounds"] > 0  # trees were chosen and verified
+    assert max(m["speculative_nodes_chosen"]) > 4
+    assert m["mean_accepted_len"] > 2.5
+    llm.close()

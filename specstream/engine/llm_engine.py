@@ -284,17 +284,22 @@ class LLMEngine:
 
     def _observe_shape(self, shaper: RoundShaper, plan: StepPlan, result: StepOutput,
                        link_s: float, wall: float) -> None:
-        """What a decode round measured, for the next rounds' depth (speculative_policy auto):
+        """What a decode round measured, for the next rounds' shape (speculative_policy auto):
         verification = the time neither blocked on the link nor drafting; the draft job's
         forwards as levels of its requests."""
         drafted = [len(d) for d in result.drafts.values() if d]
         steps = [len(drafted)] * max(drafted, default=0)
-        verified = [(s.num_drafts, len(result.new_tokens[s.request_id]) - 1)
-                    for s in plan.seqs if s.sample and s.request_id in result.new_tokens]
+        done = [s for s in plan.seqs if s.sample and s.request_id in result.new_tokens]
+        chains = [(s.num_drafts, len(result.new_tokens[s.request_id]) - 1) for s in done
+                  if s.request_id not in result.tree_ranks]
+        walks = [result.tree_ranks[s.request_id] for s in done
+                 if s.request_id in result.tree_ranks]
         shaper.observe(link_s, max(0.0, wall - result.wait_s - result.draft_s), plan.num_tokens,
-                       steps, result.draft_s, verified)
-        depth = self.scheduler.draft_depth
-        self.tracer.add("shape", f"depth {depth}", result.start, result.start, depth=depth)
+                       steps, result.draft_s, chains, walks)
+        shape = self.scheduler.draft_shape
+        self.tracer.add("shape", f"depth {shape.depth} nodes {shape.num_nodes}", result.start,
+                        result.start, depth=shape.depth, nodes=shape.num_nodes,
+                        topk=shape.topk)
 
     def _link_rate(self) -> float:
         """Bytes/s of the link: the emulated rate where one is set, else the measured one."""
@@ -326,6 +331,7 @@ class LLMEngine:
         shaper = self.scheduler.shaper
         # speculative_policy auto: how often each chain depth was chosen (0 = no drafts)
         c["speculative_depth_chosen"] = dict(shaper.chosen) if shaper is not None else {}
+        c["speculative_nodes_chosen"] = dict(shaper.chosen_nodes) if shaper is not None else {}
         block_bytes = self.store.block_bytes
         dev, host = self.kv.device, self.kv.host
         c.update({

@@ -28,6 +28,7 @@ from specstream.engine.request import Request, Status
 from specstream.engine.shaping import RoundShaper
 from specstream.engine.step import DraftWork, SeqWork, StepOutput, StepPlan, StepUpdate, Writebacks
 from specstream.kvcache.manager import KVManager, residency_targets
+from specstream.spec.round_shape import Shape
 
 
 @dataclass
@@ -75,11 +76,13 @@ class Scheduler:
         spec = config.mode_spec
         self.two_groups = config.speculative and spec.two_groups
         self._parity = 0
-        # speculative_policy "auto": the chain depth of each step's drafts (engine/shaping.py;
-        # the engine feeds it what every round measured)
-        self.shaper = (RoundShaper(config.q, spec.drafting)
+        # speculative_policy "auto": the shape of each step's drafts (engine/shaping.py; the
+        # engine feeds it what every round measured)
+        self.shaper = (RoundShaper(config.q, spec.drafting, config.speculative_topk,
+                                   config.num_draft_tokens)
                        if config.speculative and config.speculative_policy == "auto" else None)
-        self._depth = config.q
+        self._shape = Shape(config.q, config.speculative_topk,
+                            config.num_draft_tokens if config.tree else 0)
         # `fill`: what the step needs beyond the shares, counted by _rebalance before it
         # allocates anything: restore-mode room for its history (pool blocks lent to it) and
         # the decode rounds' new blocks
@@ -188,9 +191,9 @@ class Scheduler:
         self.max_concurrency = max(self.max_concurrency, len(self.running))
 
     @property
-    def draft_depth(self) -> int:
-        """The chain depth this step's drafts were asked for (the policy's last choice)."""
-        return self._depth
+    def draft_shape(self) -> Shape:
+        """The shape this step's drafts were asked for (the policy's last choice)."""
+        return self._shape
 
     # ---- residency (`fill`) ---------------------------------------------------------------
     def _rebalance(self) -> None:
@@ -291,7 +294,7 @@ class Scheduler:
         self._rebalance()
         if self.shaper is not None:  # requests verified per round: a group, or all of them
             decoding = sum(not r.in_prefill for r in self.running)
-            self._depth = self.shaper.depth(-(-decoding // (2 if self.two_groups else 1)))
+            self._shape = self.shaper.shape(-(-decoding // (2 if self.two_groups else 1)))
         prefilling = self.two_groups and any(r.in_prefill for r in self.running)
         group = None if prefilling else self._verify_group()
         seqs: list[SeqWork] = []
@@ -376,14 +379,17 @@ class Scheduler:
     def _draft(self, req: Request, after_verify: bool) -> DraftWork:
         cfg, q = self.config, req.params.num_speculative_tokens
         depth = cfg.q if q is None else q
-        if self.shaper is not None:
-            depth = min(depth, self._depth)
+        topk, nodes = cfg.speculative_topk, cfg.num_draft_tokens
+        if self.shaper is not None:  # the policy's shape, within the request's own depth
+            shape = self._shape
+            depth, topk, nodes = min(depth, shape.depth), shape.topk, shape.num_nodes
+        tree = topk > 1
         return DraftWork(
             request_id=req.request_id, token_ids=tuple(req.all_token_ids),
             num_tokens=depth, room=self._room(req), params=req.params,
-            after_verify=after_verify, topk=cfg.speculative_topk,
+            after_verify=after_verify, topk=topk,
             # a request's own depth may exceed the engine's node budget: a chain that deep
-            max_nodes=max(cfg.num_draft_tokens, depth) if cfg.tree else None)
+            max_nodes=max(nodes, depth) if tree else None)
 
     def _room(self, req: Request) -> int:
         """Tokens the request may still generate (its max_tokens and the model's context)."""

@@ -143,6 +143,10 @@ class StepOutput:
     drafts: dict[str, list[int]] = field(default_factory=dict)
     # request id -> the parents of its drafts, where they form a token tree (see SeqWork).
     draft_parents: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> for each node its verified tree walk reached (the root first): how many
+    # children the node had and which of them (by rank, the draft's order) the target took,
+    # None for none; what the round-shape policy learns acceptance by rank from.
+    tree_ranks: dict[str, list[tuple[int, int | None]]] = field(default_factory=dict)
     # request id -> why its work failed (a transfer, its drafting, the whole step).
     errors: dict[str, str] = field(default_factory=dict)
     # Timings (perf_counter seconds): step start, wall time, time blocked on the link, drafting.

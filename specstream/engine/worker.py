@@ -307,6 +307,7 @@ class Worker:
                 path = tree.path(r[0])
                 toks = [tree.tokens[i] for i in path] + [r[1]]
                 moves += self._path_moves(s, path)
+                out.tree_ranks[s.request_id] = _ranks(tree, path)
             out.new_tokens[s.request_id] = toks
             if self.proposer is not None:  # the draft forgets what the target rejected
                 # a tree's nodes sit in the draft's cache in node order: keep up to the root,
@@ -344,6 +345,19 @@ class Worker:
         if request_id not in self.generators:
             self.generators[request_id] = make_generator(params, self.device)
         return self.generators[request_id]
+
+
+def _ranks(tree: DraftTree, path: tuple[int, ...]) -> list[tuple[int, int | None]]:
+    """(children, rank of the one taken or None) of every node the accepted walk reached:
+    the root, then each accepted node (the last one's is None: the walk stopped there)."""
+    out: list[tuple[int, int | None]] = []
+    at = -1
+    for node in (*path, None):
+        kids = tree.children(at)
+        out.append((len(kids), None if node is None else kids.index(node)))
+        if node is not None:
+            at = node
+    return [(n, r) for n, r in out if n]
 
 
 def _tree_problem(r: ProposeRequest, prop: Proposal) -> str | None:
