@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specstream.sampling_params import MAX_SPECULATIVE_TOKENS
 
@@ -128,6 +128,10 @@ class EngineConfig:
     # link, verification and draft time it measures and the acceptance it sees
     # (engine/shaping.py).
     speculative_policy: str = "fixed"
+    # Ablations: the mode's drafting strategy replaced ("sequential": draft after verifying,
+    # one group; "gaps": two groups, one drafting in the other's transfers). None: the mode's.
+    # `specstream` with "sequential" is streaming without gap drafting.
+    drafting: str | None = None
     # "draft" (a draft model, needs draft_model) or "ngram".
     proposer: str | None = None
     draft_model: str | None = None
@@ -174,6 +178,7 @@ class EngineConfig:
         self._check_speculation(q)
         self._check_tree(q)
         self._check_policy()
+        self._check_drafting()
         if self.draft_cache not in ("window", "full"):
             raise ValueError(f"draft_cache must be 'window' or 'full', got {self.draft_cache!r}")
         if self.residency not in ("fill", "tail"):
@@ -206,6 +211,17 @@ class EngineConfig:
                 f"mode {self.mode!r} verifies drafts every round and needs a proposer "
                 f"(proposer='draft' with a draft_model, or 'ngram'); mode {plain!r} decodes "
                 "the same offloaded history without one")
+
+    def _check_drafting(self) -> None:
+        if self.drafting is None:
+            return
+        if self.drafting not in ("sequential", "gaps"):
+            raise ValueError(f"drafting must be 'sequential' or 'gaps' (or None: the mode's), "
+                             f"got {self.drafting!r}")
+        if not self.proposer or MODES[self.mode].devices != 1:
+            raise ValueError(f"drafting={self.drafting!r} replaces a one-device speculative "
+                             f"mode's drafting; mode {self.mode!r} with proposer "
+                             f"{self.proposer!r} has none to replace")
 
     def _check_policy(self) -> None:
         if self.speculative_policy not in ("auto", "fixed"):
@@ -249,7 +265,8 @@ class EngineConfig:
 
     @property
     def mode_spec(self) -> ModeSpec:
-        return MODES[self.mode]
+        spec = MODES[self.mode]
+        return spec if self.drafting is None else replace(spec, drafting=self.drafting)
 
     @property
     def speculative(self) -> bool:

@@ -78,3 +78,25 @@ def test_host_overhead_bench_writes_its_figures(tmp_path):
     # the yardstick: 2 layers x 2 requests x 32K tokens of Qwen3-8B KV (8 heads x 128 x bf16)
     assert r["h200_link_ms_per_round"] == pytest.approx(
         2 * 2 * 32768 * 2 * 8 * 128 * 2 / 50e9 * 1e3, rel=0.01)
+
+
+def test_ladder_runs_every_step_exactly_and_the_preset_sets_the_link(tiny_target, tmp_path):
+    out = tmp_path / "ladder.json"
+    rc = main(["bench", "--model", str(tiny_target), "--draft-model", str(tiny_target),
+               "--preset", "link-bound", "--ladder", "--context-len", "300",
+               "--num-requests", "4", "--device-kv-bytes", "1600000", "--chunk-tokens", "128",
+               "--block-size", "16", "--resident-tail-tokens", "64",
+               "--offload-after-tokens", "128", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    rows = report["ladder"]
+    assert [r["mode"] for r in rows] == ["offload-spec"] + ["specstream"] * 4
+    assert all(r["outputs_match_reference"] for r in rows)
+    # the preset: tail residency over a 0.1 GB/s link, 64 output tokens
+    assert report["settings"]["link_gbps"] == 0.1 and report["settings"]["residency"] == "tail"
+    assert report["workload"]["output_len"] == 64
+    # the auto steps chose shapes; the tree step
+    # verified trees (the target drafting for itself accepts deep paths)
+    assert rows[3]["speculative_depth_chosen"] and rows[4]["mean_tree_nodes_per_round"] > 0
+    assert rows[4]["mean_accepted_len"] > rows[0]["mean_accepted_len"]
+    assert "last_over_first" in report["ratios"] and "--ladder" in report["command"]

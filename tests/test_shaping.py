@@ -99,3 +99,13 @@ def test_auto_policy_with_trees_is_exact_and_learns_ranks(tiny_target):
     assert max(m["speculative_nodes_chosen"]) > 4
     assert m["mean_accepted_len"] > 2.5
     llm.close()
+
+
+def test_drafting_override_is_an_ablation_of_one_device_speculative_modes():
+    c = EngineConfig(mode="specstream", proposer="ngram", drafting="sequential")
+    assert c.mode_spec.drafting == "sequential" and not c.mode_spec.two_groups
+    assert EngineConfig(mode="specstream", proposer="ngram").mode_spec.two_groups
+    with pytest.raises(ValueError, match="replaces a one-device"):
+        EngineConfig(mode="parallel-spec", proposer="ngram", drafting="gaps")
+    with pytest.raises(ValueError, match="'sequential' or 'gaps'"):
+        EngineConfig(mode="specstream", proposer="ngram", drafting="parallel")

@@ -27,6 +27,17 @@ DEFAULT_LINK_GBPS = 1.0
 # Workloads (prompt tokens, requests, output tokens): the bench's, --quick's (about 2 minutes).
 WORKLOAD, QUICK_WORKLOAD = (4096, 8, 128), (2048, 6, 48)
 
+# Presets (`--preset`): `balanced` is the defaults above. `link-bound` makes a decode round
+# link-bound the way an H200 with an 8B target over PCIe 5 is (25-50x): residency tail (every
+# token past a request's 256-token tail streams, the paper's configuration) over a 0.1 GB/s
+# link: a specstream round of four 4K-token requests streams 4 x 3,840 tokens x 6 KiB = 94 MB,
+# 0.94 s, against 35-45 ms of verification on one CPU thread (21-27x). 64 output tokens keep
+# a run of every step near a minute.
+PRESETS: dict[str, dict[str, Any]] = {
+    "balanced": {},
+    "link-bound": {"link_gbps": 0.1, "residency": "tail", "output_len": 64},
+}
+
 COLUMNS = [
     ("mode", "{}"), ("output_tokens_per_s", "{:.1f}"),
     ("output_tokens_per_s_per_device", "{:.1f}"), ("decode_tokens_per_s", "{:.1f}"),
@@ -104,6 +115,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "2 cores at --link-gbps 0.25, the link-bound setting)")
     p.add_argument("--fractions", default=",".join(map(str, FRACTIONS)),
                    help="comma-separated F values of --sweep-residency")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="balanced: the defaults; link-bound: residency tail over a 0.1 GB/s link "
+                        "and 64 output tokens, a round's link time 21-27x its verification, "
+                        "as on an H200 with an 8B target (overrides --link-gbps, --residency "
+                        "and --output-len; default: none)")
+    p.add_argument("--ladder", action="store_true",
+                   help="the ablation ladder: offload-spec (q = 4) -> + streaming -> + drafting "
+                        "in the gaps -> + adaptive chain -> + trees, one run each")
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.add_argument("--trace", default=None,
                    help="Chrome trace JSON of the specstream run (and a .png timeline)")
@@ -202,10 +221,23 @@ def run(args: argparse.Namespace) -> int:
                          "and --device-kv-fraction")
     if args.sweep_residency and args.device_kv_fraction is not None:
         raise ValueError("--sweep-residency sets the fraction itself: use --fractions")
+    for k, v in PRESETS.get(args.preset or "", {}).items():
+        setattr(args, k, v)
     workload = resolve_workload(args)
     s = settings_from(args)
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    if args.sweep:
+    if args.ladder:
+        from specstream.bench.ladder import run_ladder
+
+        report = {
+            "command": "specstream bench " + " ".join(_argv(args)),
+            "machine": {"platform": platform.platform(), "python": platform.python_version()},
+            "workload": {"context_len": args.context_len, "num_requests": args.num_requests,
+                         "output_len": args.output_len},
+            "settings": {**{k: v for k, v in vars(s).items() if k != "extra"}, **s.extra},
+            **run_ladder(s, workload),
+        }
+    elif args.sweep:
         from specstream.bench.sweep import run_sweep
 
         report = run_sweep(s, args, modes)
@@ -264,6 +296,10 @@ def _argv(args: argparse.Namespace) -> list[str]:
         out += ["--speculative-policy", args.speculative_policy]
     if args.sweep_residency:
         out += ["--sweep-residency", "--fractions", args.fractions]
+    if args.preset:
+        out += ["--preset", args.preset]
+    if args.ladder:
+        out.append("--ladder")
     if args.quick:
         out.append("--quick")
     return out

@@ -199,6 +199,10 @@ def _measure(
         "link_utilisation": decode_link / decode_t if decode_t else 0.0,
         "mean_round_s": sum(r.wall_s for r in rounds) / len(rounds) if rounds else 0.0,
         "acceptance_rate": m["acceptance_rate"],
+        # token trees and the round-shape policy (warm-up included)
+        "mean_tree_nodes_per_round": m.get("mean_tree_nodes_per_round", 0.0),
+        "speculative_depth_chosen": m.get("speculative_depth_chosen", {}),
+        "speculative_nodes_chosen": m.get("speculative_nodes_chosen", {}),
         # every decode round, and every step that only prefilled; run_all adds each one's
         # floor_s (see bench/floors.py)
         "rounds": [{k: v for k, v in asdict(r).items() if k != "start"} for r in rounds],
