@@ -16,7 +16,7 @@ from specstream.sampling_params import SamplingParams
 EOS = 2
 
 
-def _offload_scheduler(**cfg) -> Scheduler:
+def _offload_scheduler(history_token_bytes: int = 0, **cfg) -> Scheduler:
     config = EngineConfig(**{**dict(mode="specstream", block_size=16, max_prefill_tokens=64,
                                     proposer="ngram", num_speculative_tokens=2,
                                     offload_after_tokens=64, resident_tail_tokens=32,
@@ -24,7 +24,7 @@ def _offload_scheduler(**cfg) -> Scheduler:
     policy = OffloadPolicy(offload=True, resident_tail_tokens=32, offload_after_tokens=64,
                            chunk_tokens=64, residency=config.residency)
     return Scheduler(config, KVManager(16, 256, 256, policy), max_model_len=4096,
-                     eos_token_ids=[EOS])
+                     eos_token_ids=[EOS], history_token_bytes=history_token_bytes)
 
 
 def _resident_scheduler(**cfg) -> Scheduler:
@@ -193,3 +193,33 @@ def test_decode_write_backs_ride_along_the_next_step() -> None:
     sched.update(plan, _emit(plan))
     assert sched.kv.host_tokens("r") == 32 and not sched.kv.seqs["r"].moving
     assert sched.schedule().seqs[0].restore_chunks  # now restored from the host
+
+
+def test_a_prefill_step_verifies_everyone_only_where_its_chunk_hides_their_history() -> None:
+    """Where streaming every decoding request's history would take longer than the chunk's
+    compute (a slow link), a two-group step that carries a prefill chunk verifies one group,
+    as any other step; where the chunk hides it, every request with drafts."""
+    def ready() -> Scheduler:
+        sched = _offload_scheduler(residency="tail", history_token_bytes=1000)
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        for i in range(2):
+            sched.add(Request(f"d{i}", list(range(3, 123)), params))
+        for _ in range(20):
+            plan = sched.schedule()
+            update = sched.update(plan, _emit(plan))
+            sched.complete_writebacks(update.writebacks, {})
+            if all(r.group >= 0 and r.draft_token_ids for r in sched.running):
+                break
+        assert all(sched.kv.host_tokens(r.request_id) > 0 for r in sched.running)
+        sched.add(Request("p", list(range(3, 100)), params))
+        return sched
+
+    slow = ready()
+    slow.note_step(link_bps=1e3, prefill_compute_s=0.01)  # history: seconds; chunk: 10 ms
+    plan = slow.schedule()
+    assert "p" in {s.request_id for s in plan.seqs}
+    assert len({s.request_id for s in plan.seqs} - {"p"}) == 1  # one group
+    fast = ready()
+    fast.note_step(link_bps=1e12, prefill_compute_s=0.01)
+    plan = fast.schedule()
+    assert {s.request_id for s in plan.seqs} == {"d0", "d1", "p"}

@@ -90,7 +90,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, restore_layers=layout.restore_layers,
                                    max_model_len=layout.max_model_len,
                                    eos_token_ids=layout.eos_token_ids,
-                                   decode=tok.decode if tok is not None else None)
+                                   decode=tok.decode if tok is not None else None,
+                                   history_token_bytes=layout.block_bytes // config.block_size)
         self.attention = ATTENTION.get(resolve_backend(config.attention_backend, device))
         self.proposer = (proposer if proposer is not None
                          else self._make_proposer() if config.speculative else None)
@@ -250,6 +251,7 @@ class LLMEngine:
         decode = bool(result.drafts) or any(s.sample and not s.prefill for s in plan.seqs)
         if not decode and not prefill_tokens:
             return  # nothing was done
+        self.scheduler.note_step(self._link_rate(), compute if prefill_tokens else None)
         link_floor = nbytes / self._link_rate()
         if decode and plan.seqs:  # a verification round: the history it moved
             st.verify_steps += 1

@@ -51,6 +51,7 @@ class Scheduler:
         max_model_len: int = 1 << 62,
         eos_token_ids: Collection[int] = (),
         decode: Callable[[list[int]], str] | None = None,
+        history_token_bytes: int = 0,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -83,6 +84,12 @@ class Scheduler:
                        if config.speculative and config.speculative_policy == "auto" else None)
         self._shape = Shape(config.q, config.speculative_topk,
                             config.num_draft_tokens if config.tree else 0)
+        # What the engine last measured (note_step): the link's bytes/s and the compute time
+        # of a step that carried a prefill chunk; with the bytes of one token of history,
+        # whether a prefill chunk hides the history of every decoding request.
+        self.history_token_bytes = history_token_bytes
+        self._link_bps = 0.0
+        self._chunk_s = 0.0
         # `fill`: what the step needs beyond the shares, counted by _rebalance before it
         # allocates anything: restore-mode room for its history (pool blocks lent to it) and
         # the decode rounds' new blocks
@@ -190,6 +197,25 @@ class Scheduler:
             self.running.append(req)
         self.max_concurrency = max(self.max_concurrency, len(self.running))
 
+    def note_step(self, link_bps: float, prefill_compute_s: float | None) -> None:
+        """The link's measured rate, and the compute time of the step just run if it carried
+        a prefill chunk."""
+        self._link_bps = link_bps
+        if prefill_compute_s is not None:
+            self._chunk_s = (prefill_compute_s if not self._chunk_s
+                             else 0.7 * self._chunk_s + 0.3 * prefill_compute_s)
+
+    def _chunk_hides_history(self) -> bool:
+        """Whether a prefill chunk's compute hides streaming every decoding request's history
+        (then a two-group step that carries one verifies them all; else the groups alternate
+        as in any other step: with the link dominating, verifying everyone would put all
+        their history on the link behind every chunk). True until both are measured."""
+        if not (self._link_bps and self._chunk_s and self.history_token_bytes):
+            return True
+        tokens = sum(self.kv.host_tokens(r.request_id) for r in self.running
+                     if not r.in_prefill and r.request_id in self.kv.seqs)
+        return tokens * self.history_token_bytes / self._link_bps <= self._chunk_s
+
     @property
     def draft_shape(self) -> Shape:
         """The shape this step's drafts were asked for (the policy's last choice)."""
@@ -295,7 +321,8 @@ class Scheduler:
         if self.shaper is not None:  # requests verified per round: a group, or all of them
             decoding = sum(not r.in_prefill for r in self.running)
             self._shape = self.shaper.shape(-(-decoding // (2 if self.two_groups else 1)))
-        prefilling = self.two_groups and any(r.in_prefill for r in self.running)
+        prefilling = (self.two_groups and any(r.in_prefill for r in self.running)
+                      and self._chunk_hides_history())
         group = None if prefilling else self._verify_group()
         seqs: list[SeqWork] = []
         prefill_budget = self.config.max_prefill_tokens
