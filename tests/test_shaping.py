@@ -109,3 +109,22 @@ def test_drafting_override_is_an_ablation_of_one_device_speculative_modes():
         EngineConfig(mode="parallel-spec", proposer="ngram", drafting="gaps")
     with pytest.raises(ValueError, match="'sequential' or 'gaps'"):
         EngineConfig(mode="specstream", proposer="ngram", drafting="parallel")
+
+
+def test_auto_gives_sampled_requests_chains_when_it_picks_a_tree() -> None:
+    from specstream.engine.request import Request
+    from specstream.engine.scheduler import Scheduler
+    from specstream.kvcache.manager import KVManager, OffloadPolicy
+    from specstream.spec.round_shape import Shape
+
+    config = EngineConfig(mode="resident", proposer="draft", draft_model="unused",
+                          num_speculative_tokens=4, speculative_topk=4,
+                          speculative_num_draft_tokens=16, speculative_policy="auto",
+                          block_size=16)
+    sched = Scheduler(config, KVManager(16, 256, 0, OffloadPolicy(offload=False)))
+    sched._shape = Shape(4, topk=4, nodes=16)
+    greedy = sched._draft(Request("g", [1, 2, 3], SamplingParams(temperature=0)), False)
+    sampled = sched._draft(Request("s", [1, 2, 3], SamplingParams(temperature=0.8, seed=1)),
+                           False)
+    assert (greedy.topk, greedy.max_nodes) == (4, 16)
+    assert (sampled.topk, sampled.max_nodes, sampled.num_tokens) == (1, None, 4)

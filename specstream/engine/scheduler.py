@@ -410,6 +410,8 @@ class Scheduler:
         if self.shaper is not None:  # the policy's shape, within the request's own depth
             shape = self._shape
             depth, topk, nodes = min(depth, shape.depth), shape.topk, shape.num_nodes
+            if not req.params.greedy:  # a sampled request verifies a tree's children as
+                topk = 1  # point masses, which accept far less than a sampled chain
         tree = topk > 1
         return DraftWork(
             request_id=req.request_id, token_ids=tuple(req.all_token_ids),
