@@ -453,10 +453,12 @@ def test_depth_chosen_and_tree_counters_are_exported() -> None:
 
     sm = ServerMetrics()
     sm.on_engine({"speculative_depth_chosen": {0: 5, 4: 2, 12: 1}, "tree_rounds": 3,
-                  "tree_nodes": 24})
+                  "tree_nodes": 24, "speculative_nodes_chosen": {0: 5, 16: 3}})
     text = MetricsExporter("m").render([sm.snapshot(0)]).decode()
     m = parse_metrics(text, model="m")
     assert [m[f'specstream_spec_decode_depth_chosen_total{{depth="{d}"}}']
             for d in (0, 4, 12)] == [5, 2, 1]
+    assert [m[f'specstream_spec_decode_nodes_chosen_total{{nodes="{n}"}}']
+            for n in (0, 16)] == [5, 3]
     assert m["specstream_spec_decode_tree_rounds_total"] == 3
     assert m["specstream_spec_decode_tree_nodes_total"] == 24

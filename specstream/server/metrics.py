@@ -155,9 +155,11 @@ class ServerMetrics:
                     "spec_decode_tree_nodes": e.get("tree_nodes", 0),
                     "engine_loop_errors": self.loop_errors,
                 },
-                # speculative_policy auto: rounds per chosen chain depth
+                # speculative_policy auto: steps per chosen depth and per chosen node count
                 "depth_chosen": {str(k): v for k, v in
                                  e.get("speculative_depth_chosen", {}).items()},
+                "nodes_chosen": {str(k): v for k, v in
+                                 e.get("speculative_nodes_chosen", {}).items()},
                 "spec_rounds": e.get("rounds", 0),  # for the mean accepted length
                 "accepted_per_pos": list(e.get("accepted_per_pos", [])),
                 "kv_blocks_used": {t: e.get(f"{t}_kv_blocks_used", 0) for t in TIERS},
@@ -315,8 +317,13 @@ class MetricsExporter:
             yield self.family("counter", f"specstream_spec_decode_{name}", help,
                               [({}, counter[f"spec_decode_{name}"])])
         yield self.family("counter", "specstream_spec_decode_depth_chosen",
-                          "Steps by the chain depth speculative_policy=auto chose (0: none).",
+                          "Steps by the draft depth speculative_policy=auto chose (0: none).",
                           [({"depth": k}, v) for k, v in sorted(m["depth_chosen"].items(),
+                                                                key=lambda kv: int(kv[0]))])
+        yield self.family("counter", "specstream_spec_decode_nodes_chosen",
+                          "Steps by the draft nodes per request speculative_policy=auto chose "
+                          "(a chain: its depth; a tree: its node budget).",
+                          [({"nodes": k}, v) for k, v in sorted(m["nodes_chosen"].items(),
                                                                 key=lambda kv: int(kv[0]))])
         yield self.family("counter", "specstream_spec_decode_num_accepted_tokens_per_pos",
                           "Accepted draft tokens by position in the draft (0 = first).",
