@@ -192,3 +192,37 @@ def random_ids(n: int, vocab: int, seed: int) -> list[int]:
     """Token ids avoiding the special ids 0..2."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def reads_per_round(engine: Any, monkeypatch: Any, counts: Any, max_steps: int = 200) -> list[int]:
+    """Run ``engine`` to the end counting reads of tensor values (.tolist/.item/.cpu/int()/
+    bool()/...) inside each ``Worker.run``; returns the count of every round ``counts(plan)``
+    selects."""
+    reads: list[str] = []
+    counted: list[int] = []
+    real_run = engine.worker.run
+
+    def run(plan: Any) -> Any:
+        reads.clear()
+        out = real_run(plan)
+        if counts(plan):
+            counted.append(len(reads))
+        return out
+
+    for name in ("tolist", "item", "cpu", "__int__", "__bool__", "__index__", "numpy"):
+        real = getattr(torch.Tensor, name)
+
+        def spy(self: Any, *a: Any, _name: str = name, _real: Any = real, **k: Any) -> Any:
+            reads.append(_name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    engine.worker.run = run
+    try:
+        for _ in range(max_steps):
+            if not engine.has_unfinished():
+                break
+            engine.step()
+    finally:
+        monkeypatch.undo()
+    return counted

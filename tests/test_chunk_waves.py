@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import reads_per_round
 
 from specstream import LLM, SamplingParams
 from specstream.attention import waves
@@ -131,32 +132,9 @@ def test_a_specstream_decode_round_reads_back_once(tiny_target, tiny_draft, monk
     eng = llm.engine
     for p in _prompts((300, 280, 260, 240)):
         eng.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    reads: list[str] = []
-    real_run = eng.worker.run
-    counted: list[int] = []
-
-    def run(plan):  # type: ignore[no-untyped-def]
-        reads.clear()
-        out = real_run(plan)
-        decode = plan.seqs and not any(s.prefill for s in plan.seqs)
-        if decode and any(not d.after_verify for d in plan.drafts):
-            counted.append(len(reads))
-        return out
-
-    for name in ("tolist", "item", "cpu", "__int__", "__bool__", "__index__", "numpy"):
-        real = getattr(torch.Tensor, name)
-
-        def spy(self, *a, _name=name, _real=real, **k):  # type: ignore[no-untyped-def]
-            reads.append(_name)
-            return _real(self, *a, **k)
-
-        monkeypatch.setattr(torch.Tensor, name, spy)
-    eng.worker.run = run  # type: ignore[method-assign]
-    for _ in range(60):
-        if not eng.has_unfinished():
-            break
-        eng.step()
-    monkeypatch.undo()
+    counted = reads_per_round(
+        eng, monkeypatch, lambda plan: plan.seqs and not any(s.prefill for s in plan.seqs)
+        and any(not d.after_verify for d in plan.drafts), max_steps=60)
     llm.close()
     assert len(counted) >= 3
     assert counted == [1] * len(counted)

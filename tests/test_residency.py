@@ -148,18 +148,20 @@ def test_fill_moves_fewer_history_bytes_than_tail_and_tracks_the_floor(tiny_targ
     assert tail["link_bytes_per_round"] > 1.3 * tail["link_bytes_floor_per_round"]
 
 
-def test_residency_shrinks_and_grows_mid_generation_without_changing_output(tiny_target):
+@pytest.mark.parametrize("mode", ["specstream", "offload-spec"])  # streamed, restored
+def test_residency_shrinks_and_grows_mid_generation_without_changing_output(tiny_target, mode):
     """A long request decodes alone with the device to itself; a second one arrives (its share
     shrinks: device copies dropped), finishes (its share grows back: blocks promoted as they
-    stream past). Its output equals target-only decoding, and its host copies equal the device
-    copies bit for bit wherever both tiers hold a block."""
+    stream past, from the staging ring or from the restored layers). Its output equals
+    target-only decoding, and its host copies equal the device copies bit for bit wherever
+    both tiers hold a block."""
     long, short = _prompts((480, 300), seed=5)
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     ref_llm = LLM(tiny_target, mode="resident", device_kv_bytes=4_000_000, block_size=16)
     ref = ref_llm.generate([long], params, use_tqdm=False)[0].outputs[0].token_ids
     ref_llm.close()
 
-    llm = LLM(tiny_target, mode="specstream", residency="fill", device_kv_bytes=_budget(560),
+    llm = LLM(tiny_target, mode=mode, residency="fill", device_kv_bytes=_budget(560),
               proposer="ngram", num_speculative_tokens=3, **OFFLOAD)
     eng = llm.engine
     rid = eng.add_request(long, params)

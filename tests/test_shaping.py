@@ -23,7 +23,7 @@ def _feed(shaper: RoundShaper, rounds: int, link_s: float, verify: tuple[float, 
     """Rounds of n requests with chains of the shaper's current depth, accepted as a
     geometric law of rate ``accept`` would on average (deterministic)."""
     for _ in range(rounds):
-        q = shaper.depth(n)
+        q = shaper.shape(n).depth
         expect = sum(accept ** (d + 1) for d in range(q))
         accepted = min(q, round(expect))
         shaper.observe(link_s, verify[0] + verify[1] * n * (q + 1), n * (q + 1),
@@ -34,10 +34,10 @@ def test_shaper_goes_long_when_link_bound_and_off_when_drafting_does_not_pay():
     link_bound = RoundShaper(max_depth=16, drafting="gaps", prior_acceptance=0.75)
     _feed(link_bound, 60, link_s=0.8, verify=(0.005, 0.0002), draft=(0.004, 0.0001),
           accept=0.75)
-    assert link_bound.depth(8) >= 8
+    assert link_bound.shape(8).depth >= 8
     useless = RoundShaper(max_depth=8, drafting="sequential", prior_acceptance=0.2)
     _feed(useless, 60, link_s=0.0, verify=(0.01, 0.004), draft=(0.01, 0.004), accept=0.2)
-    picks = [useless.depth(8) for _ in range(64)]
+    picks = [useless.shape(8).depth for _ in range(64)]
     # no speculation, but for every 32nd decision, which drafts one token to keep learning
     assert picks.count(0) == 62 and picks.count(1) == 2
 

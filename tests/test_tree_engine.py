@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import reads_per_round
 
 from specstream.attention.triton_wave import triton_available
 from specstream.cli import build_parser, engine_kwargs
@@ -397,33 +398,10 @@ def test_a_tree_decode_round_reads_back_once(tiny_target, prompts, reference, mo
                     proposer=_oracle(prompts, reference))
     for p in prompts[:4]:
         eng.add_request(p, GREEDY)
-    reads: list[str] = []
-    counted: list[int] = []
-    real_run = eng.worker.run
-
-    def run(plan):  # type: ignore[no-untyped-def]
-        reads.clear()
-        out = real_run(plan)
-        if plan.seqs and not plan.has_prefill and any(s.is_tree for s in plan.seqs):
-            counted.append(len(reads))
-        return out
-
-    for name in ("tolist", "item", "cpu", "__int__", "__bool__", "__index__", "numpy"):
-        real = getattr(torch.Tensor, name)
-
-        def spy(self, *a, _name=name, _real=real, **k):  # type: ignore[no-untyped-def]
-            reads.append(_name)
-            return _real(self, *a, **k)
-
-        monkeypatch.setattr(torch.Tensor, name, spy)
-    eng.worker.run = run  # type: ignore[method-assign]
     try:
-        for _ in range(200):
-            if not eng.has_unfinished():
-                break
-            eng.step()
+        counted = reads_per_round(eng, monkeypatch, lambda plan: plan.seqs and not
+                                  plan.has_prefill and any(s.is_tree for s in plan.seqs))
     finally:
-        monkeypatch.undo()
         eng.close()
     assert len(counted) >= 3
     assert counted == [1] * len(counted)

@@ -258,14 +258,15 @@ class ChunkStream(HistorySource):
                     ragged = any(n != cb for n in lens)
                     rows = ([w * cb + t for w, n in enumerate(lens) for t in range(n)]
                             if ragged else None)
-                    p_rows, p_dst = [], []
+                    p_rows, p_dst = [], []  # promoted blocks: the request's newest
                     for w, p in enumerate(part):
                         s = plan.seqs[members[p]]
+                        if not s.promote:
+                            continue
                         lo = sum(len(c) for c in s.restore_chunks) - len(s.promote)
-                        for t in range(lens[w]):
-                            if j * cb + t >= lo:
-                                p_rows.append(w * cb + t)
-                                p_dst.append(s.promote[j * cb + t - lo])
+                        for t in range(max(0, lo - j * cb), lens[w]):
+                            p_rows.append(w * cb + t)
+                            p_dst.append(s.promote[j * cb + t - lo])
                     copies.append(_WaveCopy(
                         b, torch.tensor([x for c in chunks for x in c], dtype=torch.long),
                         None if rows is None else torch.tensor(rows, dtype=torch.long),

@@ -249,9 +249,9 @@ class Scheduler:
             pinned = len(seq.device_blocks) - seq.droppable
             floors.append(min(blocks, max(tail, pinned)))
             caps.append(blocks)
-        pool = kv.device.num_blocks - growth
-        if self.waiting or any(r.in_prefill for r in self.running):
-            pool -= self.scratch_blocks
+        prefill = bool(self.waiting) or any(r.in_prefill for r in self.running)
+        scratch = self.scratch_blocks if prefill else 0
+        pool = kv.device.num_blocks - growth - scratch
         layers = self.restore_layers
 
         def room(targets: list[int]) -> int:  # lent blocks for the history that streams
@@ -263,7 +263,7 @@ class Scheduler:
         for r, t in zip(reqs, targets):
             kv.set_target(r.request_id, t)
         # the step's working room must be free: those furthest over their share make it
-        self._free_up(kv.device.num_blocks - pool + self._step_room - growth)
+        self._free_up(scratch + self._step_room)
 
     def _promote(self, seqs: list[SeqWork]) -> list[SeqWork]:
         """Give requests of the step under their share device blocks for the newest of their

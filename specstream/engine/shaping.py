@@ -135,7 +135,3 @@ class RoundShaper:
         self.chosen[pick.depth] = self.chosen.get(pick.depth, 0) + 1
         self.chosen_nodes[pick.num_nodes] = self.chosen_nodes.get(pick.num_nodes, 0) + 1
         return pick
-
-    def depth(self, num_requests: int) -> int:
-        """The depth of ``shape`` (a chain's length)."""
-        return self.shape(num_requests).depth
