@@ -9,6 +9,7 @@ import torch
 from specstream import LLM, SamplingParams
 from specstream.config import EngineConfig
 from specstream.engine.shaping import RoundShaper
+from specstream.spec.round_shape import Shape
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -128,3 +129,52 @@ def test_auto_gives_sampled_requests_chains_when_it_picks_a_tree() -> None:
                            False)
     assert (greedy.topk, greedy.max_nodes) == (4, 16)
     assert (sampled.topk, sampled.max_nodes, sampled.num_tokens) == (1, None, 4)
+
+
+@pytest.mark.parametrize("mode", ["offload-spec", "specstream"])
+def test_shapes_that_stop_drafting_never_stall_a_request_and_probes_draft_for_one(
+        tiny_target, mode):
+    """A request waiting for drafts the next shape does not make verifies without them (in
+    the two-group mode it used to wait until a shape drafted again); a probe drafts for one
+    request of the step only."""
+    prompts = _prompts((200, 260, 180, 220), seed=5)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    ref_llm = LLM(tiny_target, mode="resident", device_kv_bytes=4_000_000, block_size=16)
+    ref = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, params, use_tqdm=False)]
+    ref_llm.close()
+    llm = LLM(tiny_target, mode=mode, proposer="ngram", num_speculative_tokens=4,
+              speculative_policy="auto", block_size=16, chunk_tokens=64,
+              device_kv_bytes=2_000_000, resident_tail_tokens=32, max_prefill_tokens=1024)
+    sched = llm.engine.scheduler
+    script = iter([(4, False)] * 12 + [(0, False)] * 16 + [(2, True)] * 6)
+    shapes: list[tuple[int, bool]] = []
+
+    def scripted(num_requests: int) -> Shape:
+        depth, probing = next(script, (4, False))
+        sched.shaper.probing = probing
+        shapes.append((depth, probing))
+        return Shape(depth)
+
+    sched.shaper.shape = scripted
+    plans = []
+    schedule = sched.schedule
+
+    def spy():
+        plans.append(schedule())
+        return plans[-1]
+
+    sched.schedule = spy
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    llm.close()
+    assert len(plans) == len(shapes) > 34
+    # from the last shape that drafted until the stretch without drafts ends, every decoding
+    # request is verified at least every other step (the two groups alternate)
+    rids = {s.request_id for p in plans for s in p.seqs if not s.prefill}
+    for rid in rids:
+        steps = [i for i in range(14, 28)
+                 if any(s.request_id == rid and not s.prefill for s in plans[i].seqs)]
+        assert steps and all(b - a <= 2 for a, b in zip(steps, steps[1:])), (rid, steps)
+        assert all(not s.num_drafts for i in steps[1:] for s in plans[i].seqs)
+    probes = [p for p, (_, probing) in zip(plans, shapes) if probing]
+    assert all(len(p.drafts) <= 1 for p in probes) and any(p.drafts for p in probes)

@@ -321,6 +321,9 @@ class Scheduler:
         if self.shaper is not None:  # requests verified per round: a group, or all of them
             decoding = sum(not r.in_prefill for r in self.running)
             self._shape = self.shaper.shape(-(-decoding // (2 if self.two_groups else 1)))
+            for req in self.running:  # waiting for drafts the new shape does not make
+                if req.needs_draft and self._draft(req, after_verify=False).count(0) == 0:
+                    req.needs_draft = False  # verifies without drafts instead of stalling
         prefilling = (self.two_groups and any(r.in_prefill for r in self.running)
                       and self._chunk_hides_history())
         group = None if prefilling else self._verify_group()
@@ -401,7 +404,14 @@ class Scheduler:
                     work.append(self._draft(req, after_verify=True))
             elif req.needs_draft and not req.in_prefill:
                 work.append(self._draft(req, after_verify=False))
-        return tuple(w for w in work if w.count(0) > 0)
+        work = [w for w in work if w.count(0) > 0]
+        if self.shaper is not None and self.shaper.probing and len(work) > 1:
+            # a probe drafts for one request: the others' first drafts would make the draft
+            # prefill their windows before the policy knows whether drafting pays
+            for w in work[1:]:
+                self.requests[w.request_id].needs_draft = False
+            work = work[:1]
+        return tuple(work)
 
     def _draft(self, req: Request, after_verify: bool) -> DraftWork:
         cfg, q = self.config, req.params.num_speculative_tokens
@@ -444,6 +454,7 @@ class Scheduler:
                 self.finish(req, "error", output.errors[rid])
             else:
                 self.kv.complete_writeback(rid)
+        drafted_after = {d.request_id for d in plan.drafts if d.after_verify}
         for work in plan.seqs:
             req = self.requests.get(work.request_id)
             if req is None or req.finished:
@@ -466,7 +477,10 @@ class Scheduler:
             if work.sample and not req.finished and self.config.speculative:
                 if req.group < 0 and self.two_groups:
                     self.assign_group(req)
-                req.needs_draft = self._draft(req, after_verify=False).count(0) > 0
+                # drafts follow: made in this step (after verification; the loop below takes
+                # them) or, in the two-group modes, while the other group verifies
+                req.needs_draft = (work.request_id in drafted_after or self.two_groups) and (
+                    self._draft(req, after_verify=False).count(0) > 0)
                 req.draft_token_ids, req.draft_parents = [], None
         for d in plan.drafts:
             req = self.requests.get(d.request_id)

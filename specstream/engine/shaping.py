@@ -17,7 +17,9 @@ cost), then one round drafts nothing (a second point for the verification line: 
 what tells a compute-bound round, where every position costs, from a link-bound one); then the
 model decides. While the choice is 0 nothing is drafted and nothing new is learnt about
 acceptance, so every ``explore_every``-th decision drafts one token (the cheapest probe; the
-model extends a chain's acceptance by position from it).
+model extends a chain's acceptance by position from it). Probes and explorations draft for one
+request of the step only (``probing``): a request's first drafts make the draft prefill its
+window, which is wasted wherever speculation turns out not to pay.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class RoundShaper:
     decisions: int = 0
     chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds it was chosen
     chosen_nodes: dict[int, int] = field(default_factory=dict)  # nodes -> rounds (trees too)
+    probing: bool = False  # the last shape is a probe: one request of the step drafts it
 
     def __post_init__(self) -> None:
         # the prior by rank: the first candidate as the model card's per-token figure, the
@@ -123,15 +126,16 @@ class RoundShaper:
     def shape(self, num_requests: int) -> Shape:
         """The drafts' shape for the next round of ``num_requests`` verified requests."""
         self.decisions += 1
+        self.probing = False
         if self.decisions <= self.probe_rounds or self.draft.n == 0:
-            pick = Shape(max(1, self.max_depth // 2))
+            pick, self.probing = Shape(max(1, self.max_depth // 2)), True
         elif self.decisions == self.probe_rounds + 1:
             pick = Shape(0)
         else:
             pick = choose(self.candidates, max(1, num_requests), self.costs(), self.acceptance,
                           self.drafting)
             if pick.depth == 0 and self.decisions % self.explore_every == 0:
-                pick = Shape(1)
+                pick, self.probing = Shape(1), True
         self.chosen[pick.depth] = self.chosen.get(pick.depth, 0) + 1
         self.chosen_nodes[pick.num_nodes] = self.chosen_nodes.get(pick.num_nodes, 0) + 1
         return pick
