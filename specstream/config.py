@@ -126,8 +126,8 @@ class EngineConfig:
     # to num_speculative_tokens; with speculative_topk > 1 also trees of that branching up to
     # speculative_num_draft_tokens nodes) with the most expected tokens per second, from the
     # link, verification and draft time it measures and the acceptance it sees
-    # (engine/shaping.py).
-    speculative_policy: str = "fixed"
+    # (engine/shaping.py). None (the default): "auto" where there is a proposer.
+    speculative_policy: str | None = None
     # Ablations: the mode's drafting strategy replaced ("sequential": draft after verifying,
     # one group; "gaps": two groups, one drafting in the other's transfers). None: the mode's.
     # `specstream` with "sequential" is streaming without gap drafting.
@@ -177,6 +177,9 @@ class EngineConfig:
                 f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {q}")
         self._check_speculation(q)
         self._check_tree(q)
+        if self.speculative_policy is None:
+            object.__setattr__(self, "speculative_policy",
+                               "auto" if self.speculative else "fixed")
         self._check_policy()
         self._check_drafting()
         if self.draft_cache not in ("window", "full"):

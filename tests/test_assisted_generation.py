@@ -132,7 +132,7 @@ def test_speculative_equals_transformers_assisted(tiny_target, drafts, hf_target
     finally:
         counter.remove()
     ours, metrics = _ours(tiny_target, prompts, draft_model=drafts[draft],
-                          num_speculative_tokens=q)
+                          num_speculative_tokens=q, speculative_policy="fixed")
 
     assert assisted == hf_reference  # transformers' assisted generation is lossless here
     assert ours == assisted

@@ -157,7 +157,7 @@ def test_draft_stream_drafting_enqueues_after_the_first_copies(tiny_target, tiny
     llm.close()
 
     llm = LLM(tiny_target, mode="specstream", draft_model=tiny_draft, device_kv_bytes=2_000_000,
-              **OFFLOAD)
+              speculative_policy="fixed", **OFFLOAD)  # drafts every round
     eng = llm.engine
     events: list[str] = []
     backend = eng.backend

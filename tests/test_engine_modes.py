@@ -85,7 +85,8 @@ def test_speculative_offloaded_equals_target_only(tiny_target, tiny_draft, promp
 def test_draft_equal_to_target_accepts_everything(tiny_target, prompts, reference):
     """With the target as its own draft (full cache) every draft is accepted."""
     tokens, m = _run(tiny_target, prompts[:2], mode="resident", device_kv_bytes=16 << 20,
-                     draft_model=tiny_target, num_speculative_tokens=4, draft_cache="full")
+                     draft_model=tiny_target, num_speculative_tokens=4, draft_cache="full",
+                     speculative_policy="fixed")
     assert tokens == reference[:2]
     assert m["acceptance_rate"] == 1.0
     assert m["mean_accepted_len"] > 4.0

@@ -19,6 +19,7 @@ EOS = 2
 def _offload_scheduler(history_token_bytes: int = 0, **cfg) -> Scheduler:
     config = EngineConfig(**{**dict(mode="specstream", block_size=16, max_prefill_tokens=64,
                                     proposer="ngram", num_speculative_tokens=2,
+                                    speculative_policy="fixed",
                                     offload_after_tokens=64, resident_tail_tokens=32,
                                     chunk_tokens=64), **cfg})
     policy = OffloadPolicy(offload=True, resident_tail_tokens=32, offload_after_tokens=64,
@@ -28,7 +29,8 @@ def _offload_scheduler(history_token_bytes: int = 0, **cfg) -> Scheduler:
 
 
 def _resident_scheduler(**cfg) -> Scheduler:
-    config = EngineConfig(**{**dict(mode="resident", block_size=16, max_prefill_tokens=64), **cfg})
+    config = EngineConfig(**{**dict(mode="resident", block_size=16, max_prefill_tokens=64,
+                                    speculative_policy="fixed"), **cfg})
     return Scheduler(config, KVManager(16, 256, 0, OffloadPolicy(offload=False)),
                      max_model_len=4096, eos_token_ids=[EOS])
 

@@ -35,7 +35,8 @@ OFFLOAD = dict(block_size=16, chunk_tokens=64, resident_tail_tokens=32, offload_
                max_prefill_tokens=64)
 # depth 4, three children per expanded node, 12 nodes: wider than the chain and deeper than 1
 TREE = dict(proposer="draft", draft_model="unused: the engine gets the fake proposer",
-            num_speculative_tokens=4, speculative_topk=3, speculative_num_draft_tokens=12)
+            num_speculative_tokens=4, speculative_topk=3, speculative_num_draft_tokens=12,
+            speculative_policy="fixed")
 MODES = {
     "resident": dict(mode="resident", device_kv_bytes=16 << 20, max_prefill_tokens=64),
     "offload-spec/fill": dict(mode="offload-spec", device_kv_bytes=1_600_000, **OFFLOAD),
@@ -225,7 +226,8 @@ def test_scheduler_hands_trees_to_the_round_and_commits_the_path() -> None:
     sched = Scheduler(config, KVManager(16, 256, 0, OffloadPolicy(offload=False)),
                       max_model_len=4096, eos_token_ids=[2])
     # admission reserves a round's 1 + 12 slots, not 1 + 4: 56 + 13 tokens take 5 blocks
-    chain = Scheduler(EngineConfig(mode="resident", block_size=16, proposer="ngram"),
+    chain = Scheduler(EngineConfig(mode="resident", block_size=16, proposer="ngram",
+                                   speculative_policy="fixed"),
                       KVManager(16, 256, 0, OffloadPolicy(offload=False)))
     short = Request("s", list(range(3, 23)), SamplingParams(max_tokens=36))
     assert sched.reservation(short).device_blocks == chain.reservation(short).device_blocks + 1

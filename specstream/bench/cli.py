@@ -90,9 +90,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="token trees: nodes per request and round, the last accepted token not "
                         "counted (default: -q)")
-    p.add_argument("--speculative-policy", choices=["auto", "fixed"], default="fixed",
-                   help="speculative modes: 'auto' chooses each round's chain depth up to -q "
-                        "from what the engine measures, 'fixed' drafts -q (default: fixed)")
+    p.add_argument("--speculative-policy", choices=["auto", "fixed"], default=None,
+                   help="speculative modes: 'auto' chooses each round's shape (depth up to -q, "
+                        "trees with --speculative-topk > 1) from what the engine measures, "
+                        "'fixed' drafts -q every round (default: the engine's, auto)")
     p.add_argument("--chunk-tokens", type=int, default=BenchSettings.chunk_tokens,
                    help="tokens per streamed restore chunk")
     p.add_argument("--staging-buffers", type=int, default=BenchSettings.staging_buffers,
@@ -292,7 +293,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
         out += ["--speculative-topk", str(args.speculative_topk)]
     if args.speculative_num_draft_tokens is not None:
         out += ["--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens)]
-    if args.speculative_policy != "fixed":
+    if args.speculative_policy is not None:
         out += ["--speculative-policy", args.speculative_policy]
     if args.sweep_residency:
         out += ["--sweep-residency", "--fractions", args.fractions]

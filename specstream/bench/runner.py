@@ -36,8 +36,9 @@ class BenchSettings:
     # (None: num_speculative_tokens).
     speculative_topk: int = 1
     speculative_num_draft_tokens: int | None = None
-    # "fixed" (q drafts a round) or "auto" (the engine chooses each round's depth)
-    speculative_policy: str = "fixed"
+    # "fixed" (q drafts a round) or "auto" (the engine chooses each round's shape); None: the
+    # engine's default (auto)
+    speculative_policy: str | None = None
     block_size: int = 128
     # 2048-token chunks as the reference implementation. Two staging slots of two-request chunk
     # waves: four chunks in flight, not the reference's two: on the CPU backend a draft step
