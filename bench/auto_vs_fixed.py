@@ -40,7 +40,8 @@ def main() -> None:
                   wave_requests=2)
         configs = []
     draft = dict(proposer="draft", draft_model=str(default_model_dir("draft")))
-    configs += [(f"fixed q={q}", dict(draft, num_speculative_tokens=q)) for q in (2, 4, 8)]
+    configs += [(f"fixed q={q}", dict(draft, num_speculative_tokens=q, speculative_policy="fixed"))
+                for q in (2, 4, 8)]
     configs.append(("auto, q <= 8", dict(draft, num_speculative_tokens=8,
                                          speculative_policy="auto")))
     rows = []

@@ -74,8 +74,10 @@ def test_shaper_offers_trees_and_takes_one_when_verification_is_nearly_free():
     # tree walks where the target often takes a lower-ranked child
     walk = [(4, 0), (4, 1), (4, 0), (4, None)]
     for _ in range(80):
-        shaper.shape(8)
-        shaper.observe(0.8, 0.01, 8 * 33, [32] * 6, 0.03, [], [walk] * 8)
+        if shaper.shape(8).depth:
+            shaper.observe(0.8, 0.01, 8 * 33, [32] * 6, 0.03, [], [walk] * 8)
+        else:  # a round without drafts: the verification line's second point
+            shaper.observe(0.8, 0.01, 8, [], 0.0, [(0, 0)] * 8)
     pick = shaper.shape(8)
     assert pick.topk == 4 and pick.num_nodes > pick.depth
     assert shaper.acceptance.beta(1) > 0.15  # learnt from the walks (prior: 0.55 / 4)
@@ -149,7 +151,7 @@ def test_shapes_that_stop_drafting_never_stall_a_request_and_probes_draft_for_on
     script = iter([(4, False)] * 12 + [(0, False)] * 16 + [(2, True)] * 6)
     shapes: list[tuple[int, bool]] = []
 
-    def scripted(num_requests: int) -> Shape:
+    def scripted(num_requests: int, catch_up: float = 0.0) -> Shape:
         depth, probing = next(script, (4, False))
         sched.shaper.probing = probing
         shapes.append((depth, probing))
@@ -178,3 +180,79 @@ def test_shapes_that_stop_drafting_never_stall_a_request_and_probes_draft_for_on
         assert all(not s.num_drafts for i in steps[1:] for s in plans[i].seqs)
     probes = [p for p, (_, probing) in zip(plans, shapes) if probing]
     assert all(len(p.drafts) <= 1 for p in probes) and any(p.drafts for p in probes)
+
+
+def _drafting_pays_a_little(shaper: RoundShaper) -> None:
+    """Rounds of 4 requests: verification 10 ms + 0.5 ms a position, a draft forward 1 ms,
+    no link; acceptance 0.7 (a chain of 2 makes ~2.2 tokens where none makes 1)."""
+    for _ in range(60):
+        q = shaper.shape(4).depth
+        accepted = min(q, round(sum(0.7 ** (d + 1) for d in range(q))))
+        shaper.observe(0.0, 0.010 + 0.0005 * 4 * (q + 1), 4 * (q + 1), [4] * q, 0.001 * q,
+                       [(q, accepted)] * 4)
+
+
+def test_drafting_pays_for_the_drafts_catching_up():
+    """Drafting's one-off cost (the draft feeding tokens it has not seen, per token the
+    requests still generate) counts against drafting; a cheap catch-up does not stop it."""
+    shaper = RoundShaper(max_depth=4, drafting="sequential", prior_acceptance=0.7)
+    shaper.prior_catch_up(0.0001)  # 0.1 ms a token
+    _drafting_pays_a_little(shaper)
+    assert shaper.shape(4, catch_up=0.0).depth > 0
+    assert shaper.shape(4, catch_up=4.0).depth > 0  # 0.4 ms a round
+    assert shaper.shape(4, catch_up=400.0).depth == 0  # 40 ms a round: not worth it
+
+
+def test_a_step_that_mostly_catches_up_measures_the_catch_up_not_the_forwards():
+    from specstream.engine.step import DraftWork, StepOutput, StepPlan
+
+    shaper = RoundShaper(max_depth=4, drafting="sequential")
+    shaper.prior_catch_up(1e-5)
+    work = DraftWork("r", (1,) * 1000, 4, room=100, params=GREEDY, after_verify=False,
+                     unseen=1000)
+    out = StepOutput()
+    out.drafts["r"] = [5, 6, 7, 8]
+    shaper.observe_step(StepPlan((), (work,)), out, 0.0, 0.0, 0.104, prefill=True)
+    assert shaper.catch_up_measured and shaper.catch_up_token_s == pytest.approx(1.04e-4)
+    assert shaper.draft.n == 0  # the draft line did not see a 26 ms "forward"
+    shaper.prior_catch_up(1e-5)  # a prior no longer replaces a measurement
+    assert shaper.catch_up_token_s == pytest.approx(1.04e-4)
+    # a warm request's drafting: the forwards, less the little catching up, feed the line
+    warm = DraftWork("r", (1,) * 1006, 4, room=96, params=GREEDY, after_verify=False,
+                     unseen=2)
+    shaper.observe_step(StepPlan((), (warm,)), out, 0.0, 0.0, 0.004 + 2 * 1.04e-4,
+                        prefill=True)
+    assert shaper.draft.n > 0 and shaper.draft.coef()[0] == pytest.approx(0.001)
+    # an exploration that would make the draft catch up on a whole window is skipped
+    shaper.exploring = True
+    shaper.verify.add(4, 0.01)
+    assert not shaper.worth_exploring(1000, 4) and shaper.worth_exploring(10, 4)
+
+
+def test_seeded_sampling_keeps_its_chain_whatever_the_policy_picks(tiny_target, tiny_draft):
+    """A seeded sampled request's tokens depend on how many drafts each round verifies; under
+    auto it drafts its configured chain, so its output is the one the fixed policy gives,
+    while the shapes chosen for the others change round by round."""
+    prompts = _prompts((150, 120))
+    seeded = SamplingParams(temperature=0.9, seed=7, max_tokens=24, ignore_eos=True)
+    kw = dict(mode="specstream", draft_model=str(tiny_draft), num_speculative_tokens=3,
+              block_size=16, chunk_tokens=64, device_kv_bytes=2_000_000,
+              resident_tail_tokens=32, max_prefill_tokens=1024)
+    fixed = LLM(tiny_target, speculative_policy="fixed", **kw)
+    want = [o.outputs[0].token_ids for o in fixed.generate(prompts, [seeded, GREEDY],
+                                                             use_tqdm=False)]
+    fixed.close()
+    auto = LLM(tiny_target, **kw)
+    assert auto.engine.config.speculative_policy == "auto"  # the default with a proposer
+    sched = auto.engine.scheduler
+    depths = iter([0, 3, 1, 2, 0, 0, 3] * 20)
+
+    def scripted(num_requests: int, catch_up: float = 0.0) -> Shape:
+        sched.shaper.probing = False
+        return Shape(next(depths, 1))
+
+    sched.shaper.shape = scripted
+    got = [o.outputs[0].token_ids for o in auto.generate(prompts, [seeded, GREEDY],
+                                                          use_tqdm=False)]
+    auto.close()
+    assert got == want

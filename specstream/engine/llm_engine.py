@@ -24,7 +24,6 @@ from specstream.engine.stats import EngineStats, RoundStats
 from specstream.engine.step import StepOutput, StepPlan
 from specstream.engine.trace import Tracer
 from specstream.engine.worker import Worker
-from specstream.kvcache.manager import KVManager, OffloadPolicy
 from specstream.kvcache.storage import KVStore
 from specstream.models.loader import load_model, resolve_dtype
 from specstream.sampling_params import SamplingParams
@@ -71,27 +70,16 @@ class LLMEngine:
         self.max_model_len = layout.max_model_len
         self.backend = make_backend(device.split(":")[0], link_gbps=config.link_gbps)
         mode = config.mode_spec
-        policy = OffloadPolicy(
-            offload=mode.offload,
-            resident_tail_tokens=config.resident_tail_tokens,
-            offload_after_tokens=layout.offload_after_tokens,
-            chunk_tokens=config.chunk_tokens,
-            residency=config.residency,
-        )
-        self.kv = KVManager(config.block_size, layout.num_device_blocks, layout.num_host_blocks,
-                            policy)
+        tok = self.tokenizer
+        self.scheduler = Scheduler.for_layout(config, layout,
+                                              decode=tok.decode if tok is not None else None)
+        self.kv = self.scheduler.kv
         self.store = KVStore(self.model_config, self.dtype, config.block_size,
                              layout.num_device_blocks, layout.num_host_blocks, self.backend)
         self.history = make_source(mode.history, self.store, config.chunk_tokens,
                                    config.staging_buffers, config.wave_requests)
         if config.link_gbps:  # a first estimate; completed copies refine it (see _account)
             self.history.link_bps = config.link_gbps * 1e9
-        tok = self.tokenizer
-        self.scheduler = Scheduler(config, self.kv, restore_layers=layout.restore_layers,
-                                   max_model_len=layout.max_model_len,
-                                   eos_token_ids=layout.eos_token_ids,
-                                   decode=tok.decode if tok is not None else None,
-                                   history_token_bytes=layout.block_bytes // config.block_size)
         self.attention = ATTENTION.get(resolve_backend(config.attention_backend, device))
         self.proposer = (proposer if proposer is not None
                          else self._make_proposer() if config.speculative else None)
@@ -99,6 +87,10 @@ class LLMEngine:
                              DRAFTING.get(drafting_for(mode.drafting, device))(
                                  self.tracer, self.backend),
                              self.attention, self.tracer)
+        # the draft model's share of the parameters (the policy's first estimate of its cost
+        # per token, from the target's prefill)
+        self._draft_share = (_num_params(self.proposer.model) / _num_params(self.model)
+                             if isinstance(self.proposer, DraftModelProposer) else 0.0)
         self._ids = itertools.count()
         self.stats = EngineStats(accepted_per_pos=[0] * max(1, config.q))
         # The newest decode steps, and steps that only prefilled (bounded: a server runs for
@@ -252,6 +244,9 @@ class LLMEngine:
         if not decode and not prefill_tokens:
             return  # nothing was done
         self.scheduler.note_step(self._link_rate(), compute if prefill_tokens else None)
+        shaper = self.scheduler.shaper
+        if shaper is not None and prefill_tokens:
+            shaper.prior_catch_up(compute / prefill_tokens * self._draft_share)
         link_floor = nbytes / self._link_rate()
         if decode and plan.seqs:  # a verification round: the history it moved
             st.verify_steps += 1
@@ -277,27 +272,20 @@ class LLMEngine:
             draft_seqs=len(result.drafts), link_floor_s=link_floor, history_bytes=history,
             history_floor_bytes=history_floor,
             tree_nodes=sum(s.num_drafts for s in plan.seqs if s.parents),
+            draft_fed_tokens=sum(d.unseen for d in plan.drafts if result.drafts.get(d.request_id)),
         ))
         if decode:
             self.tracer.add("round", "round", result.start, end)
-        shaper = self.scheduler.shaper
-        if shaper is not None and decode and not prefill_tokens:
-            self._observe_shape(shaper, plan, result, busy, wall)
+        if shaper is not None and decode:
+            self._observe_shape(shaper, plan, result, busy, wall, bool(prefill_tokens))
 
     def _observe_shape(self, shaper: RoundShaper, plan: StepPlan, result: StepOutput,
-                       link_s: float, wall: float) -> None:
+                       link_s: float, wall: float, prefill: bool) -> None:
         """What a decode round measured, for the next rounds' shape (speculative_policy auto):
-        verification = the time neither blocked on the link nor drafting; the draft job's
-        forwards as levels of its requests."""
-        drafted = [len(d) for d in result.drafts.values() if d]
-        steps = [len(drafted)] * max(drafted, default=0)
-        done = [s for s in plan.seqs if s.sample and s.request_id in result.new_tokens]
-        chains = [(s.num_drafts, len(result.new_tokens[s.request_id]) - 1) for s in done
-                  if s.request_id not in result.tree_ranks]
-        walks = [result.tree_ranks[s.request_id] for s in done
-                 if s.request_id in result.tree_ranks]
-        shaper.observe(link_s, max(0.0, wall - result.wait_s - result.draft_s), plan.num_tokens,
-                       steps, result.draft_s, chains, walks)
+        verification = the time neither blocked on the link nor drafting."""
+        shaper.observe_step(plan, result, link_s,
+                            max(0.0, wall - result.wait_s - result.draft_s), result.draft_s,
+                            prefill)
         shape = self.scheduler.draft_shape
         self.tracer.add("shape", f"depth {shape.depth} nodes {shape.num_nodes}", result.start,
                         result.start, depth=shape.depth, nodes=shape.num_nodes,
@@ -360,3 +348,6 @@ class LLMEngine:
 def _maybe_tokenizer(folder: str | Path) -> Tokenizer | None:
     return Tokenizer(folder) if (Path(folder) / "tokenizer.json").is_file() else None
 
+
+def _num_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -45,6 +45,9 @@ class Request:
     draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), V] or None
     # Overlapped modes: drafts for the next round are still to be made (in the next step).
     needs_draft: bool = False
+    # Tokens the draft model has seen (it drafted from them); the rest it must catch up on
+    # before its next drafts.
+    draft_seen: int = 0
     # Overlapped modes: which of the two groups (verified on alternate steps) it belongs to.
     group: int = -1
     finish_reason: str | None = None

@@ -24,10 +24,11 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 
 from specstream.config import EngineConfig
+from specstream.engine.layout import RuntimeLayout
 from specstream.engine.request import Request, Status
 from specstream.engine.shaping import RoundShaper
 from specstream.engine.step import DraftWork, SeqWork, StepOutput, StepPlan, StepUpdate, Writebacks
-from specstream.kvcache.manager import KVManager, residency_targets
+from specstream.kvcache.manager import KVManager, OffloadPolicy, residency_targets
 from specstream.spec.round_shape import Shape
 
 
@@ -94,6 +95,21 @@ class Scheduler:
         # allocates anything: restore-mode room for its history (pool blocks lent to it) and
         # the decode rounds' new blocks
         self._step_room = 0
+
+    @classmethod
+    def for_layout(cls, config: EngineConfig, layout: RuntimeLayout,
+                   decode: Callable[[list[int]], str] | None = None) -> Scheduler:
+        """The scheduler and its KV manager as the engine runs them on ``layout`` (the
+        simulator's replay builds them the same way, without a model)."""
+        policy = OffloadPolicy(offload=config.mode_spec.offload,
+                               resident_tail_tokens=config.resident_tail_tokens,
+                               offload_after_tokens=layout.offload_after_tokens,
+                               chunk_tokens=config.chunk_tokens, residency=config.residency)
+        kv = KVManager(config.block_size, layout.num_device_blocks, layout.num_host_blocks,
+                       policy)
+        return cls(config, kv, restore_layers=layout.restore_layers,
+                   max_model_len=layout.max_model_len, eos_token_ids=layout.eos_token_ids,
+                   decode=decode, history_token_bytes=layout.block_bytes // config.block_size)
 
     # ---- admission ----------------------------------------------------------------------
     @property
@@ -185,7 +201,7 @@ class Scheduler:
             limit = self.kv.device.num_blocks - self.scratch_blocks
             if (self._reserved_device + r.device_total > limit
                     or self._reserved_host + r.host_blocks > self.kv.host.num_blocks):
-                return
+                break
             self.waiting.popleft()
             if not self.kv.policy.offload:
                 # resident: hold the whole reservation now, as one run of consecutive blocks
@@ -320,7 +336,8 @@ class Scheduler:
         self._rebalance()
         if self.shaper is not None:  # requests verified per round: a group, or all of them
             decoding = sum(not r.in_prefill for r in self.running)
-            self._shape = self.shaper.shape(-(-decoding // (2 if self.two_groups else 1)))
+            self._shape = self.shaper.shape(-(-decoding // (2 if self.two_groups else 1)),
+                                            catch_up=self._draft_catch_up())
             for req in self.running:  # waiting for drafts the new shape does not make
                 if req.needs_draft and self._draft(req, after_verify=False).count(0) == 0:
                     req.needs_draft = False  # verifies without drafts instead of stalling
@@ -405,30 +422,65 @@ class Scheduler:
             elif req.needs_draft and not req.in_prefill:
                 work.append(self._draft(req, after_verify=False))
         work = [w for w in work if w.count(0) > 0]
-        if self.shaper is not None and self.shaper.probing and len(work) > 1:
-            # a probe drafts for one request: the others' first drafts would make the draft
-            # prefill their windows before the policy knows whether drafting pays
-            for w in work[1:]:
-                self.requests[w.request_id].needs_draft = False
-            work = work[:1]
+        shaped = [w for w in work if self._shaped(self.requests[w.request_id])]
+        if self.shaper is not None and self.shaper.probing and shaped:
+            # a probe drafts for one request, the one the draft has seen most of (the others'
+            # first drafts would make the draft prefill their windows before the policy knows
+            # whether drafting pays), and an exploration not at all where that costs too much
+            shaped.sort(key=lambda w: w.unseen)
+            keep = 1 if self.shaper.worth_exploring(shaped[0].unseen, len(shaped)) else 0
+            dropped = {w.request_id for w in shaped[keep:]}
+            for rid in dropped:
+                self.requests[rid].needs_draft = False
+            work = [w for w in work if w.request_id not in dropped]
         return tuple(work)
+
+    def _draft_catch_up(self) -> float:
+        """What a draft model must feed before drafting for the requests of a round, each
+        request's divided by the tokens it may still generate (RoundShaper.shape)."""
+        share = sum(self._unseen(r) / max(1, self._room(r))
+                    for r in self.running if not r.in_prefill)
+        return share / (2 if self.two_groups else 1)
+
+    def _draft_window(self) -> int:
+        """The most tokens a draft model catches up on at once (its sinks and window)."""
+        cfg = self.config
+        return (cfg.draft_sink_tokens + cfg.draft_window_tokens
+                if cfg.draft_cache == "window" else 1 << 62)
+
+    def _shaped(self, req: Request) -> bool:
+        """Whether the round-shape policy shapes the request's drafts. Not a seeded sampled
+        request's: which tokens it draws depends on how many drafts each round verifies, and
+        the policy's choices depend on measured times, while a seed must give the same
+        output every time; it drafts its chain of the configured depth."""
+        return self.shaper is not None and (req.params.greedy or req.params.seed is None)
 
     def _draft(self, req: Request, after_verify: bool) -> DraftWork:
         cfg, q = self.config, req.params.num_speculative_tokens
         depth = cfg.q if q is None else q
         topk, nodes = cfg.speculative_topk, cfg.num_draft_tokens
-        if self.shaper is not None:  # the policy's shape, within the request's own depth
+        if self._shaped(req):  # the policy's shape, within the request's own depth
             shape = self._shape
             depth, topk, nodes = min(depth, shape.depth), shape.topk, shape.num_nodes
             if not req.params.greedy:  # a sampled request verifies a tree's children as
                 topk = 1  # point masses, which accept far less than a sampled chain
+        elif self.shaper is not None:  # seeded sampling: its chain, whatever was measured
+            topk = 1
         tree = topk > 1
         return DraftWork(
             request_id=req.request_id, token_ids=tuple(req.all_token_ids),
             num_tokens=depth, room=self._room(req), params=req.params,
             after_verify=after_verify, topk=topk,
             # a request's own depth may exceed the engine's node budget: a chain that deep
-            max_nodes=max(nodes, depth) if tree else None)
+            max_nodes=max(nodes, depth) if tree else None, unseen=self._unseen(req))
+
+    def _unseen(self, req: Request) -> int:
+        """Tokens a draft model would feed before drafting for ``req``: what it has not seen
+        (a request that never drafted: its sinks and window at most)."""
+        if self.config.proposer != "draft":
+            return 0
+        return min(req.num_tokens - req.draft_seen if req.draft_seen else req.num_tokens,
+                   self._draft_window())
 
     def _room(self, req: Request) -> int:
         """Tokens the request may still generate (its max_tokens and the model's context)."""
@@ -494,6 +546,7 @@ class Scheduler:
                 req.draft_token_ids = list(output.drafts[d.request_id])
                 req.draft_parents = output.draft_parents.get(d.request_id)
                 req.needs_draft = False
+                req.draft_seen = req.num_tokens
         return result
 
     def complete_writebacks(self, writebacks: Writebacks, errors: dict[str, str]) -> None:

@@ -12,14 +12,24 @@ depth 0 (no speculation) to ``max_depth`` and, where token trees are allowed
 ``max_nodes``. Tree rounds teach it acceptance by rank (which of a node's children the target
 took). Pure Python: it sees numbers, never tensors.
 
-Probing and exploration: the first rounds draft half the allowed depth (acceptance and draft
-cost), then one round drafts nothing (a second point for the verification line: its slope is
-what tells a compute-bound round, where every position costs, from a link-bound one); then the
-model decides. While the choice is 0 nothing is drafted and nothing new is learnt about
-acceptance, so every ``explore_every``-th decision drafts one token (the cheapest probe; the
-model extends a chain's acceptance by position from it). Probes and explorations draft for one
-request of the step only (``probing``): a request's first drafts make the draft prefill its
-window, which is wasted wherever speculation turns out not to pay.
+Probing and exploration: until a verified round has had drafts, rounds draft half the allowed
+depth (acceptance and draft cost); then, until a verified round has had none, rounds draft
+nothing (a second point for the verification line: its slope is what tells a compute-bound
+round, where every position costs, from a link-bound one); then the model decides. Steps that
+carry a prefill chunk teach acceptance and the draft's cost, not the verification line. While
+the choice is 0 nothing is drafted and nothing new is learnt about acceptance, so every
+``explore_every``-th decision drafts one token (the cheapest probe; the model extends a chain's
+acceptance by position from it). Probes and explorations draft for one request of the step only
+(``probing``): a request's first drafts make the draft prefill its window, which is wasted
+wherever speculation turns out not to pay.
+
+Catching up: before drafting, a draft model feeds the tokens it has not seen (a request that
+never drafted: its sinks and window). The scheduler counts them per request, divided by the
+tokens the request may still generate, and that share of the draft's time per token caught up
+on (measured on steps that mostly caught up; before that, the target's prefill time per token
+scaled by the draft's share of the parameters) counts in every drafting round. An exploration
+is skipped where its catching up would cost more than ``explore_share`` of the rounds since the
+last one.
 """
 
 from __future__ import annotations
@@ -27,7 +37,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from specstream.engine.step import StepOutput, StepPlan
 from specstream.spec.round_shape import AcceptanceEstimate, RoundCosts, Shape, choose
+from specstream.spec.tree import DraftTree
 
 # The reference implementation's choices of q, and twice its largest for link-bound rounds.
 DEPTHS = (0, 1, 2, 4, 6, 8, 12, 16)
@@ -67,7 +79,6 @@ class RoundShaper:
     max_nodes: int = 0  # speculative_num_draft_tokens: a tree's node budget at most
     prior_acceptance: float = 0.6  # per-token acceptance before any round is seen
     explore_every: int = 32
-    probe_rounds: int = 3
     acceptance: AcceptanceEstimate = field(init=False)
     link_s: float = 0.0
     verify: _LineFit = field(default_factory=_LineFit)
@@ -76,6 +87,16 @@ class RoundShaper:
     chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds it was chosen
     chosen_nodes: dict[int, int] = field(default_factory=dict)  # nodes -> rounds (trees too)
     probing: bool = False  # the last shape is a probe: one request of the step drafts it
+    seen_drafts: bool = False  # a verification round with drafts was measured
+    seen_plain: bool = False  # ... and one without
+    exploring: bool = False  # ... one made while the choice is no speculation
+    explore_share: float = 0.05  # of the time between explorations, the most one may cost
+    # The draft's time per token it catches up on (tokens it has not seen, fed before its
+    # drafts): measured on steps whose drafting was mostly catching up; before one is seen,
+    # a prior (``prior_catch_up``: the target's prefill time per token scaled by the
+    # draft's share of the parameters).
+    catch_up_token_s: float = 0.0
+    catch_up_measured: bool = False
 
     def __post_init__(self) -> None:
         # the prior by rank: the first candidate as the model card's per-token figure, the
@@ -96,7 +117,7 @@ class RoundShaper:
                     self.candidates.append(Shape(d, topk=self.max_topk, nodes=self.max_nodes))
 
     def observe(self, link_s: float, verify_s: float, query_tokens: int,
-                draft_steps: Sequence[int], draft_s: float,
+                draft_steps: Sequence[float], draft_s: float,
                 verified: Sequence[tuple[int, int]],
                 tree_walks: Sequence[Sequence[tuple[int, int | None]]] = ()) -> None:
         """One decode step: its link busy time, verification time and query positions, the
@@ -106,6 +127,9 @@ class RoundShaper:
         if query_tokens:
             self.link_s = 0.7 * self.link_s + 0.3 * link_s if self.decisions else link_s
             self.verify.add(query_tokens, verify_s)
+            drafted = any(n for n, _ in verified) or any(tree_walks)
+            self.seen_drafts, self.seen_plain = (self.seen_drafts or drafted,
+                                                 self.seen_plain or not drafted)
         if draft_steps:
             per = draft_s / len(draft_steps)
             for n in draft_steps:
@@ -117,25 +141,83 @@ class RoundShaper:
             for children, rank in walk:
                 self.acceptance.observe(children, rank)
 
-    def costs(self) -> RoundCosts:
+    def worth_exploring(self, catch_up_tokens: int, num_requests: int) -> bool:
+        """Whether an exploration that makes the draft feed ``catch_up_tokens`` first costs
+        at most ``explore_share`` of the rounds since the last one (the first probes always
+        run: nothing is known yet)."""
+        if not self.exploring:
+            return True
+        rounds = self.explore_every * self.costs().round_s(Shape(0), max(1, num_requests),
+                                                          self.drafting)
+        return self._catch_up_s(catch_up_tokens) <= self.explore_share * rounds
+
+    def _catch_up_s(self, tokens: float) -> float:
+        return self.catch_up_token_s * tokens
+
+    def observe_step(self, plan: StepPlan, out: StepOutput, link_s: float, verify_s: float,
+                     draft_s: float, prefill: bool) -> None:
+        """``observe`` for one decode step of the engine (or the simulator's replay of it).
+        The draft's forwards are one per level of its drafts; the first also feeds what the
+        draft had not seen. A step where that catching up dominates measures the time per
+        token caught up on; the others, less that, measure the forwards (the draft line). A
+        step that also carried a prefill chunk teaches acceptance and the draft's cost, not
+        the verification line."""
+        drafted = {rid: d for rid, d in out.drafts.items() if d}
+        levels = max((DraftTree(tuple(d), tuple(out.draft_parents[rid])).depth
+                      if rid in out.draft_parents else len(d) for rid, d in drafted.items()),
+                     default=0)
+        nodes = sum(len(d) for d in drafted.values())
+        unseen = sum(w.unseen for w in plan.drafts if w.request_id in drafted)
+        steps: list[float] = []
+        if unseen > 4 * nodes:
+            da, db = self.draft.coef()
+            forwards = levels * da + db * nodes if self.draft.n else 0.0
+            per = max(0.0, draft_s - forwards) / unseen
+            self.catch_up_token_s = (0.7 * self.catch_up_token_s + 0.3 * per
+                                     if self.catch_up_measured else per)
+            self.catch_up_measured = True
+        elif levels:
+            draft_s = max(0.0, draft_s - self.catch_up_token_s * unseen)
+            steps = [nodes / levels] * levels
+        done = [s for s in plan.seqs if s.sample and s.request_id in out.new_tokens]
+        chains = [(s.num_drafts, len(out.new_tokens[s.request_id]) - 1) for s in done
+                  if s.request_id not in out.tree_ranks]
+        walks = [out.tree_ranks[s.request_id] for s in done if s.request_id in out.tree_ranks]
+        self.observe(link_s, verify_s, 0 if prefill else plan.num_tokens, steps, draft_s,
+                     chains, walks)
+
+    def prior_catch_up(self, token_s: float) -> None:
+        """The engine's estimate of the draft's time per token caught up on, used until a
+        step measures it."""
+        if not self.catch_up_measured:
+            prior = self.catch_up_token_s
+            self.catch_up_token_s = 0.7 * prior + 0.3 * token_s if prior else token_s
+
+    def costs(self, catch_up: float = 0.0) -> RoundCosts:
         va, vb = self.verify.coef()
         da, db = self.draft.coef()
         return RoundCosts(link_s=self.link_s, verify_base_s=va, verify_per_position_s=vb,
-                          draft_level_s=da, draft_per_node_s=db)
+                          draft_level_s=da, draft_per_node_s=db,
+                          draft_setup_s=self._catch_up_s(catch_up))
 
-    def shape(self, num_requests: int) -> Shape:
-        """The drafts' shape for the next round of ``num_requests`` verified requests."""
+    def shape(self, num_requests: int, catch_up: float = 0.0) -> Shape:
+        """The drafts' shape for the next round of ``num_requests`` verified requests.
+        ``catch_up``: the tokens the draft must feed before drafting for them (what it has not
+        seen), each request's divided by the tokens it has left to generate: drafting's
+        one-off cost spread over the rest of the requests' lives, counted in every round
+        that drafts (a round makes at least one token per request)."""
         self.decisions += 1
-        self.probing = False
-        if self.decisions <= self.probe_rounds or self.draft.n == 0:
+        self.probing = self.exploring = False
+        if not self.seen_drafts or self.draft.n == 0:
             pick, self.probing = Shape(max(1, self.max_depth // 2)), True
-        elif self.decisions == self.probe_rounds + 1:
+        elif not self.seen_plain:
             pick = Shape(0)
         else:
-            pick = choose(self.candidates, max(1, num_requests), self.costs(), self.acceptance,
-                          self.drafting)
+            pick = choose(self.candidates, max(1, num_requests), self.costs(catch_up),
+                          self.acceptance, self.drafting)
             if pick.depth == 0 and self.decisions % self.explore_every == 0:
                 pick, self.probing = Shape(1), True
+                self.exploring = True
         self.chosen[pick.depth] = self.chosen.get(pick.depth, 0) + 1
         self.chosen_nodes[pick.num_nodes] = self.chosen_nodes.get(pick.num_nodes, 0) + 1
         return pick

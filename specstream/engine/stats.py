@@ -36,6 +36,7 @@ class RoundStats:
     tree_nodes: int = 0  # draft tokens verified as token trees (all requests)
     history_bytes: int = 0  # host-to-device bytes of history (restored or streamed)
     history_floor_bytes: int = 0  # the step's history that cannot be resident (see engine)
+    draft_fed_tokens: int = 0  # tokens the draft caught up on before drafting (unseen ones)
 
 
 @dataclass

@@ -90,6 +90,9 @@ class DraftWork:
     # (None = a chain of ``count`` drafts).
     topk: int = 1
     max_nodes: int | None = None
+    # Tokens of token_ids a draft model has not seen and feeds before drafting (the
+    # scheduler's count; the round-shape policy reads it as part of the draft's cost).
+    unseen: int = 0
 
     def count(self, num_new: int) -> int:
         """Drafts to make once ``num_new`` more tokens are known (a bonus token always follows

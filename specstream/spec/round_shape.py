@@ -123,6 +123,9 @@ class RoundCosts:
     verify_per_position_s: float = 0.0  # ... and per query position (all requests)
     draft_level_s: float = 0.0  # one draft forward: fixed part
     draft_per_node_s: float = 0.0  # ... and per node drafted in it (all requests)
+    # drafting's one-off cost, spread over the rounds that follow: the draft catching up on
+    # tokens it has not seen (a request that never drafted prefills its window), per round
+    draft_setup_s: float = 0.0
 
     def round_s(self, shape: Shape, num_requests: int, drafting: str) -> float:
         positions = num_requests * (1 + shape.num_nodes)
@@ -131,6 +134,7 @@ class RoundCosts:
         if shape.depth:
             per_level = num_requests * shape.num_nodes / shape.levels
             draft = shape.levels * (self.draft_level_s + self.draft_per_node_s * per_level)
+            draft += self.draft_setup_s
         if drafting == "gaps":
             return max(self.link_s, verify + draft)
         if drafting == "parallel":
