@@ -17,10 +17,12 @@ from specstream.sim.cli import add_parser
 from specstream.sim.costs import FittedCosts, LinearFit, PrefillFit
 from specstream.sim.memory import link_bytes_per_round, max_concurrency, plan
 from specstream.sim.replay import replay, setups
-from specstream.sim.residency import history_capacity, kept_tokens, waterfill
+from specstream.sim.residency import fill_level, fill_targets
 from specstream.sim.rounds import simulate_round
 
 BENCH_STEPS = Path(__file__).parent / "data" / "bench_cpu_steps.json"  # a tail run (0.5 GB/s)
+# a fill run of the current engine: 6 x 2048-token prompts, 48 output tokens, 1 GB/s
+BENCH_A = Path(__file__).parents[1] / "bench" / "results" / "sim-calib-A.json"
 ALPHA = AcceptanceModel(alpha=0.5)
 KV = 1000.0  # target KV bytes per token of the toy costs
 WEIGHTS = 1e6 + 1e5  # target + draft
@@ -56,46 +58,36 @@ def test_policy_validates_residency() -> None:
         SimPolicy(residency="most")
 
 
-def test_waterfill_gives_short_requests_everything_and_splits_the_rest() -> None:
+def test_fill_targets_are_the_engines_shares() -> None:
+    """Short requests keep everything, the others split the rest; a floor above the level
+    holds; the restore room of what does not stay counts against the capacity."""
     needs = [100.0, 1000.0, 1000.0]
-    level = waterfill(1100.0, needs)
-    assert level == pytest.approx(500.0)
-    assert kept_tokens(needs, [0.0] * 3, level) == pytest.approx([100.0, 500.0, 500.0])
-    # a floor above the level holds; the others split what is left equally
+    targets = fill_targets(1100.0, needs, [0.0] * 3)
+    assert targets == [100, 500, 500] and fill_level(targets, needs) == 500.0
     needs4, floors = [100.0, 1000.0, 1000.0, 1000.0], [0.0, 600.0, 0.0, 0.0]
-    kept = kept_tokens(needs4, floors, waterfill(1700.0, needs4, floors))
-    assert kept == pytest.approx([100.0, 600.0, 500.0, 500.0])
-    # everything fits: everyone whole; not even the floors fit: everyone at the floor
-    assert kept_tokens(needs, [0.0] * 3, waterfill(5000.0, needs)) == needs
-    assert kept_tokens(needs4, floors, waterfill(100.0, needs4, floors)) == floors
-    with pytest.raises(ValueError):
-        waterfill(10.0, [5.0], [6.0])
+    assert fill_targets(1700.0, needs4, floors) == [100, 600, 500, 500]
+    assert fill_targets(5000.0, needs, [0.0] * 3) == [100, 1000, 1000]  # everything fits
+    assert fill_level([100, 1000, 1000], needs) == 1000.0
+    assert fill_targets(100.0, needs4, floors) == [0, 600, 0, 0]  # not even the floors
+    # restore modes: kept + f x (total - kept) <= free, as much as fits
+    kept = sum(fill_targets(700.0, [500.0, 500.0], [0.0, 0.0], restore_fraction=0.5))
+    assert kept + 0.5 * (1000 - kept) <= 700 < kept + 2 + 0.5 * (1000 - kept - 2)
 
 
-def test_waterfill_fills_exactly_the_capacity_fairly() -> None:
+def test_fill_targets_fill_the_capacity_fairly() -> None:
     rng = np.random.default_rng(0)
-    for _ in range(200):
-        needs = list(rng.uniform(0, 1000, size=int(rng.integers(1, 12))))
-        floors = [float(min(n, f)) for n, f in zip(needs, rng.uniform(0, 300, len(needs)),
+    for _ in range(100):
+        needs = [float(x) for x in rng.integers(1, 1000, size=int(rng.integers(1, 12)))]
+        floors = [float(min(n, f)) for n, f in zip(needs, rng.integers(0, 300, len(needs)),
                                                     strict=True)]
-        capacity = float(rng.uniform(sum(floors), sum(needs)))
-        level = waterfill(capacity, needs, floors)
-        kept = kept_tokens(needs, floors, level)
-        assert sum(kept) == pytest.approx(capacity, rel=1e-9, abs=1e-6)
-        assert all(f - 1e-9 <= k <= n + 1e-9 for k, f, n in zip(kept, floors, needs,
-                                                               strict=True))
-        # anyone kept between its floor and its need sits exactly at the common level
-        for k, f, n in zip(kept, floors, needs, strict=True):
-            if f + 1e-6 < k < n - 1e-6:
-                assert k == pytest.approx(level)
-
-
-def test_history_capacity_leaves_room_to_restore_what_moves() -> None:
-    # R + f (total - R) == free
-    r = history_capacity(free=700.0, total=1000.0, restore_fraction=0.5)
-    assert r + 0.5 * (1000.0 - r) == pytest.approx(700.0)
-    assert history_capacity(700.0, 1000.0) == 700.0  # streaming: a fixed ring, no room
-    assert history_capacity(10.0, 1000.0, 0.5) == 0.0
+        capacity = float(rng.integers(int(sum(floors)), int(sum(needs)) + 1))
+        kept = fill_targets(capacity, needs, floors)
+        assert sum(kept) <= capacity and sum(kept) > capacity - len(needs)
+        assert all(f <= k <= n for k, f, n in zip(kept, floors, needs, strict=True))
+        level = fill_level(kept, needs, floors)
+        for k, f, n in zip(kept, floors, needs, strict=True):  # between floor and need:
+            if f < k < n:  # at the common level
+                assert k == level
 
 
 def test_fill_streams_only_what_its_share_does_not_hold() -> None:
@@ -203,23 +195,18 @@ def test_cli_residency_flag_and_comparison(capsys: pytest.CaptureFixture[str]) -
         _cli([*small, "--residency", "most"])
 
 
-def test_replay_reads_the_residency_of_a_bench_run() -> None:
-    data = json.loads(BENCH_STEPS.read_text())
-    assert residency_of(data) == "tail"  # made before fill existed: no key
-    assert load_bench(BENCH_STEPS)[0].policy.residency == "tail"
-    filled = {**data, "settings": {**data["settings"], "residency": "fill"}}
-    assert residency_of(filled) == "fill"
-    tail_runs, fill_runs = setups(data), setups(filled)
+def test_replay_runs_the_residency_of_a_bench_run() -> None:
+    """The replay drives the engine's scheduler with the run's own settings: its ``fill``
+    residency keeps most of the history on the device; the same run as ``tail`` streams
+    much more of it (the engine's KVManager decides what each step reads from the host)."""
+    data = json.loads(BENCH_A.read_text())
+    assert residency_of(data) == "fill" and load_bench(BENCH_A)[0].policy.residency == "fill"
+    tailed = {**data, "settings": {**data["settings"], "residency": "tail"}}
+    fill_runs, tail_runs = setups(data), setups(tailed)
     for mode in ("offload-spec", "specstream"):
-        assert (tail_runs[mode].residency, fill_runs[mode].residency) == ("tail", "fill")
-        moved = []
-        for s in (tail_runs[mode], fill_runs[mode]):
-            steps: list[tuple[str, list[float]]] = []
-            replay(s, steps)
-            moved.append(sum(row[3] for kind, row in steps if kind == "decode"))
+        assert (fill_runs[mode].config.residency, tail_runs[mode].config.residency) == (
+            "fill", "tail")
+        fill, tail = replay(fill_runs[mode]).result, replay(tail_runs[mode]).result
         # 6 x 2k-token requests against a 64 MiB budget that holds ~11k tokens: most of the
-        # history stays, so much less crosses the link
-        assert moved[1] < 0.5 * moved[0], mode
-    s = fill_runs["specstream"]
-    assert s.host_tokens(2000.0, s.share([2000.0], False, 1)) == 0.0  # one request: all fits
-    assert s.host_tokens(2000.0) == 1664.0  # no share: 2000 - 256, whole 128-token blocks
+        # history stays under fill, so the link is much less busy
+        assert fill.link_utilisation < 0.5 * tail.link_utilisation, mode

@@ -66,10 +66,12 @@ The bench writes one JSON object. The simulator reads two top-level keys; anythi
                  "max_concurrency": 9}, ...}
 
 With per-step samples (as ``specstream bench`` writes them) the prediction is the step replay of
-``specstream.sim.replay``, which also reads, per mode: ``"rounds"`` (a list of decode steps, each
-``{"wall_s", "link_s", "compute_s", "draft_s", "query_tokens", "context_tokens", "num_seqs",
-"prefill_tokens"}``), ``"prefill_only_time_s"`` (total wall time of steps that only prefilled),
-``"acceptance_rate"`` and ``"mean_accepted_len"``.
+``specstream.sim.replay`` (the engine's own scheduler over the top-level ``"settings"``, the
+bench's ``BenchSettings``), which also reads, per mode: ``"rounds"`` (decode steps) and
+``"prefill_steps"`` (steps that only prefilled), each ``{"compute_s", "wait_s", "link_bytes",
+"history_bytes", "query_tokens", "context_tokens", "attention_pairs", "num_seqs",
+"prefill_tokens", "draft_tokens", "draft_seqs"}`` (``step_cost.py``), and
+``"mean_accepted_len"`` (the acceptance, when ``"acceptance"`` has no histogram).
 """
 
 from __future__ import annotations
@@ -167,8 +169,7 @@ def residency_of(data: dict[str, Any]) -> str:
 
 def load_bench(path: str | Path) -> tuple[Scenario, dict[str, dict[str, float]]]:
     """Read a bench JSON: (the calibrated scenario, the measured results per mode)."""
-    with Path(path).open() as f:
-        data = json.load(f)
+    data = _read(path)
     if "calibration" not in data:
         raise ValueError(f"{path}: no top-level 'calibration' key (see calibrate.py)")
     cal = dict(data["calibration"])
@@ -177,46 +178,60 @@ def load_bench(path: str | Path) -> tuple[Scenario, dict[str, dict[str, float]]]
     if "device_budget_covers" not in cal and kv_budget == cal.get("device_memory_bytes"):
         cal["device_budget_covers"] = "kv"
     cal["engine"] = {**cal.get("engine", {}), "residency": residency_of(data)}
-    return scenario_from_calibration(cal), dict(data.get("modes", {}))
+    scenario = scenario_from_calibration(cal)
+    if data.get("modes"):  # the per-token rate behind the measured accepted length
+        from specstream.sim.replay import acceptance_of
+
+        scenario = replace(scenario, acceptance=acceptance_of(data))
+    return scenario, dict(data.get("modes", {}))
+
+
+def _read(path: str | Path) -> dict[str, Any]:
+    with Path(path).open() as f:
+        return dict(json.load(f))
+
+
+def has_steps(data: dict[str, Any]) -> bool:
+    return any(m.get("rounds") for m in data.get("modes", {}).values())
 
 
 def predict(path: str | Path, model: str = "auto", costs_from: str | Path | None = None,
             ) -> tuple[Scenario, list[ModeResult], dict[str, dict[str, float]]]:
     """Predict every mode the bench measured (all five if it lists none).
 
-    ``model``: "replay" replays the engine's scheduler step by step for the bench's workload
-    (``specstream.sim.replay``; needs the per-step samples ``modes[*].rounds``), "pipeline"
-    runs the steady-state round pipeline of the datacenter model, "auto" replays when the
-    samples are there. ``costs_from``: another bench JSON whose measured steps cost the replay
-    (an out-of-sample check: e.g. costs from one link setting, workload and link of this one).
+    ``model``: "replay" runs the bench's workload through the engine's own scheduler step by
+    step (``specstream.sim.replay``; needs the per-step samples ``modes[*].rounds``),
+    "pipeline" runs the steady-state round pipeline of the datacenter model, "auto" replays
+    when the samples are there. ``costs_from``: another bench JSON whose measured steps cost
+    the replay (out of sample: its workload, link and acceptance stay this file's).
     """
     scenario, measured = load_bench(path)
     modes = [m for m in MODES if m in measured] or list(MODES)
-    with Path(path).open() as f:
-        data = json.load(f)
-    has_steps = any(m.get("rounds") for m in data.get("modes", {}).values())
-    if model == "pipeline" or (model == "auto" and not has_steps):
+    data = _read(path)
+    if model == "pipeline" or (model == "auto" and not has_steps(data)):
         return scenario, simulate(scenario, modes), measured
-    if not has_steps:
+    if not has_steps(data):
         raise ValueError(f"{path}: no per-step samples (modes[*].rounds) to replay")
     from specstream.sim.replay import replay_mean, setups
 
-    runs = setups(data)
-    if costs_from is not None:
-        with Path(costs_from).open() as f:
-            other = setups(json.load(f))
-        runs = {m: replace(s, cost=other[m].cost) for m, s in runs.items() if m in other}
-    return scenario, [replay_mean(runs[m]) for m in modes if m in runs], measured
+    runs = setups(data, _read(costs_from) if costs_from is not None else None)
+    return scenario, [replay_mean(runs[m]).result for m in modes if m in runs], measured
 
 
-def relative_errors(results: Sequence[ModeResult],
-                    measured: dict[str, dict[str, float]]) -> dict[str, float]:
-    """(predicted - measured) / measured output throughput, per measured mode."""
+METRICS = (("output_tokens_per_s", "throughput", "output tok/s"), ("tpot_s", "tpot_s", "TPOT"),
+           ("ttft_s", "ttft_s", "TTFT"))
+
+
+def relative_errors(results: Sequence[ModeResult], measured: dict[str, dict[str, float]],
+                    metric: str = "output_tokens_per_s") -> dict[str, float]:
+    """(predicted - measured) / measured per measured mode, of output throughput or of another
+    of METRICS (``tpot_s``, ``ttft_s``: the bench's medians)."""
+    attr = {k: a for k, a, _ in METRICS}[metric]
     out = {}
     for r in results:
-        got = measured.get(r.mode, {}).get("output_tokens_per_s")
+        got = measured.get(r.mode, {}).get(metric)
         if got:
-            out[r.mode] = (r.throughput - float(got)) / float(got)
+            out[r.mode] = (float(getattr(r, attr)) - float(got)) / float(got)
     return out
 
 
@@ -240,12 +255,38 @@ def comparison_table(results: Sequence[ModeResult],
     return "\n".join(lines)
 
 
+def validation_table(path: str | Path, costs_from: str | Path) -> tuple[str, dict[str, float]]:
+    """Markdown: per mode and metric (output throughput, TPOT, TTFT) the measured value of
+    ``path``, the replay costed from ``path`` itself (IN SAMPLE: the step costs were fitted on
+    the very run they predict) and from ``costs_from`` (OUT OF SAMPLE: fitted on another run);
+    and the out-of-sample errors, per "mode metric"."""
+    _, own, measured = predict(path, "replay")
+    _, other, _ = predict(path, "replay", costs_from)
+    lines = [f"| mode | metric | measured | in sample (costs from {Path(path).name}) "
+             f"| out of sample (costs from {Path(costs_from).name}) |", "|" + " --- |" * 5]
+    worst: dict[str, float] = {}
+    for key, attr, label in METRICS:
+        e_in, e_out = relative_errors(own, measured, key), relative_errors(other, measured, key)
+        scale, unit = (1.0, "") if key == "output_tokens_per_s" else (
+            (1e3, " ms") if key == "tpot_s" else (1.0, " s"))
+        for a, b in zip(own, other, strict=True):
+            if a.mode not in e_in or a.mode not in e_out:
+                continue
+            got = float(measured[a.mode][key]) * scale
+            lines.append(f"| {a.mode} | {label} | {got:.3g}{unit} "
+                         f"| {getattr(a, attr) * scale:.3g}{unit} ({e_in[a.mode]:+.1%}) "
+                         f"| {getattr(b, attr) * scale:.3g}{unit} ({e_out[a.mode]:+.1%}) |")
+            worst[f"{a.mode} {label}"] = e_out[a.mode]
+    return "\n".join(lines), worst
+
+
 def error_summary(paths: Sequence[str | Path],
                   costs_from: Sequence[str | Path | None] | None = None) -> str:
     """Markdown: per bench file and mode, measured tok/s and the relative error of the step
-    replay, of the replay costed from another file (``costs_from[i]``, out of sample) and of
-    the steady-state round pipeline ("does not fit": its memory model admits no request)."""
-    lines = ["| bench file | mode | measured tok/s | replay | replay, costs from | "
+    replay costed from the same file (in sample), from another file (``costs_from[i]``, out
+    of sample) and of the steady-state round pipeline ("does not fit": its memory model
+    admits no request)."""
+    lines = ["| bench file | mode | measured tok/s | replay, in sample | replay, costs from | "
              "round pipeline |", "|" + " --- |" * 6]
     for i, path in enumerate(paths):
         other = costs_from[i] if costs_from else None

@@ -5,8 +5,8 @@ Per mode, on the (target) device:
 - weights: target, plus the draft except in ``parallel-spec`` (its draft has its own GPU);
 - target KV: everything in ``resident``; in the offload modes a request stays fully resident up
   to ``offload_threshold`` tokens, past it only the ``resident_tail`` does (``tail``
-  residency), or as much of its newest history as its water-filled share of the free memory
-  holds (``fill``, see residency.py);
+  residency), or as much of its newest history as its share of the free memory holds
+  (``fill``: the engine's ``residency_targets``, see residency.py);
 - draft KV: ``draft_tokens(context)`` per request (windowed by default; on GPU 2 in
   ``parallel-spec``, where it is checked against that GPU's memory);
 - buffers: ``specstream`` needs ``staging_buffers`` chunk slots for a group (one layer each).
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from specstream.sim.costs import Costs
 from specstream.sim.policy import OFFLOAD_MODES, RESTORE_MODES, SimPolicy
-from specstream.sim.residency import history_capacity, kept_tokens, waterfill
+from specstream.sim.residency import fill_level, fill_targets
 
 
 @dataclass(frozen=True)
@@ -106,9 +106,9 @@ def _fill_plan(mode: str, costs: Costs, policy: SimPolicy,
     budget = costs.device_budget_bytes
     total = sum(contexts)
     floors = [policy.resident_floor(mode, c) for c in contexts]
-    capacity = history_capacity(budget - fixed, total * kv_t, frac)
-    share = waterfill(capacity / kv_t, contexts, floors)
-    hot = sum(kept_tokens(contexts, floors, share))
+    targets = fill_targets((budget - fixed) / kv_t, contexts, floors, frac)
+    share = fill_level(targets, contexts, floors)
+    hot = float(sum(targets))
     device = fixed + (hot + frac * (total - hot)) * kv_t
     least = fixed + (sum(floors) + frac * (total - sum(floors))) * kv_t
     host = total * kv_t

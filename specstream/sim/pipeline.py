@@ -93,11 +93,50 @@ def _sub_batches(b: Batch, ctx: tuple[float, ...]) -> list[tuple[float, ...]]:
     return [ctx[i:i + size] for i in range(0, len(ctx), size)]
 
 
+def _restore_verify(g: Graph, b: Batch, ctx: tuple[float, ...], compute: list[int],
+                    link: list[int], after: Sequence[int] = (), **fields: Any) -> int:
+    """Restore then verify ``ctx`` as the engine's ``restore`` modes do: layer by layer, the
+    next layer's history prefetched while this one is verified, two layers of room (the
+    restore of layer l waits for the verification of layer l - 2 to free its slot); the first
+    layer's restore starts when the step does; ``after``: what its verification also waits
+    for (parallel-spec: the group's drafts). Returns the last verify task."""
+    layers = b.costs.layers("target")
+    restore, verify = b.link_s(ctx) / layers, b.verify_s(ctx) / layers
+    start = compute[:1]  # the step starts after the compute before it
+    done: list[int] = []
+    for layer in range(layers):
+        deps = [done[layer - 2]] if layer >= 2 else list(start)
+        got = (_chain(g, link, deps, name=f"restore L{layer}", resource="link",
+                      duration=restore, kind="link", **fields) if restore > 0 else None)
+        need = ([got] if got is not None else []) + (list(after) if layer == 0 else [])
+        done.append(_chain(g, compute, need, name=f"verify L{layer}",
+                           resource="compute", duration=verify, kind="verify", **fields))
+    return done[-1]
+
+
 @builder("resident")
 @builder("offload")
 @builder("offload-spec")
 def _sequential(g: Graph, b: Batch) -> list[int]:
-    """Restore (if offloaded), then verify, then draft: one stream, nothing overlaps."""
+    """One stream of steps: restore layer by layer under the verification (``_restore_verify``;
+    nothing to restore in ``resident``), then the q draft steps."""
+    compute: list[int] = []
+    link: list[int] = []
+    marks = []
+    for r in range(b.policy.rounds):
+        for sub in _sub_batches(b, b.contexts):
+            last = _restore_verify(g, b, sub, compute, link, round=r)
+        marks.append(last)
+        for _ in range(b.q):
+            _chain(g, compute, name="draft", resource="compute",
+                   duration=b.draft_step_s(b.contexts), kind="draft", round=r)
+    return marks
+
+
+@builder("offload-spec-restore-all")
+def _restore_all(g: Graph, b: Batch) -> list[int]:
+    """The ablation many systems run: restore the whole history, then verify, then draft, one
+    stream, nothing overlaps."""
     prev: list[int] = []
     marks = []
     for r in range(b.policy.rounds):
@@ -116,8 +155,10 @@ def _sequential(g: Graph, b: Batch) -> list[int]:
 
 @builder("parallel-spec")
 def _parallel(g: Graph, b: Batch) -> list[int]:
-    """Target: restore then verify per group; the draft GPU drafts the other group meanwhile."""
+    """Target: restore (layer by layer, as offload-spec) and verify per group; the draft GPU
+    drafts the other group meanwhile."""
     target: list[int] = []
+    link: list[int] = []
     groups = b.groups(b.policy.groups)
     drafted: dict[int, list[int]] = {}
     verified: dict[int, int] = {}
@@ -130,12 +171,8 @@ def _parallel(g: Graph, b: Batch) -> list[int]:
                        duration=b.draft_step_s(ctx), kind="draft", group=gi, round=r)
             drafted[gi] = draft_prev
             for sub in _sub_batches(b, ctx):
-                if b.link_s(sub) > 0:
-                    _chain(g, target, name="restore", resource="link",
-                           duration=b.link_s(sub), kind="link", group=gi, round=r)
-                verified[gi] = _chain(g, target, name="verify", resource="compute",
-                                      duration=b.verify_s(sub), kind="verify", group=gi,
-                                      round=r, deps=drafted[gi] if r else [])
+                verified[gi] = _restore_verify(g, b, sub, target, link,
+                                               drafted[gi] if r else (), group=gi, round=r)
             if gi == 0:
                 marks.append(verified[gi])
     return marks

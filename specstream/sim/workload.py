@@ -73,8 +73,9 @@ class AcceptanceModel:
 
     Either a per-token acceptance rate ``alpha`` (i.i.d. acceptances, Leviathan et al. 2023):
     E[tokens] = (1 - alpha^(q+1)) / (1 - alpha), the bonus token included; or a measured
-    histogram ``accepted_counts[k]`` = rounds in which k of ``measured_q`` drafts were accepted.
-    A histogram answers exactly at its own q; at another q the implied alpha is used.
+    histogram ``accepted_counts[k]`` = rounds in which k of ``measured_q`` drafts were accepted,
+    which gives acceptance by position (``position_rates``): exact at its own q, its last
+    position's rate beyond it.
     """
 
     alpha: float | None = None
@@ -91,6 +92,19 @@ class AcceptanceModel:
                 raise ValueError("accepted_counts must be non-negative with a positive sum")
             if self.measured_q is None or self.measured_q != len(self.accepted_counts) - 1:
                 raise ValueError("measured_q must equal len(accepted_counts) - 1")
+
+    @classmethod
+    def from_mean(cls, mean_tokens: float, q: int) -> AcceptanceModel:
+        """The i.i.d. per-token acceptance whose rounds of q drafts yield ``mean_tokens``
+        tokens (accepted + bonus) on average. Not accepted / proposed drafts: a chain stops
+        at its first rejection, so that ratio is lower than the per-token rate."""
+        if q < 1 or not 1.0 <= mean_tokens <= q + 1:
+            raise ValueError(f"mean tokens per round must be in [1, q + 1], got {mean_tokens}")
+        lo, hi = 0.0, 1.0 - 1e-9
+        for _ in range(60):  # closed_form is increasing in alpha: bisect
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if cls.closed_form(mid, q) < mean_tokens else (lo, mid)
+        return cls(alpha=(lo + hi) / 2)
 
     @staticmethod
     def closed_form(alpha: float, q: int) -> float:
@@ -118,14 +132,28 @@ class AcceptanceModel:
             lo, hi = (mid, hi) if self.closed_form(mid, q) < target else (lo, mid)
         return (lo + hi) / 2
 
+    def position_rates(self, depth: int) -> list[float]:
+        """Acceptance of each draft position 1..depth given that the ones before it were
+        accepted. ``alpha``: alpha at every position. A histogram: P(>= k) / P(>= k - 1) of the
+        measured rounds (acceptance falls with position when the draft drifts), its last rate
+        past ``measured_q``; a position no measured round reached gets the implied alpha."""
+        if self.accepted_counts is None:
+            assert self.alpha is not None
+            return [self.alpha] * depth
+        counts = np.array(self.accepted_counts, dtype=float)
+        reach = counts[::-1].cumsum()[::-1]  # reach[k]: rounds with >= k accepted
+        rates = [float(reach[k] / reach[k - 1]) if reach[k - 1] > 0 else self.effective_alpha
+                 for k in range(1, len(counts))]
+        return [rates[min(k, len(rates) - 1)] for k in range(depth)]
+
     def expected_tokens(self, q: int) -> float:
-        """Tokens per request per round with q drafts (1 when q == 0: plain decoding)."""
+        """Tokens per request per round with q drafts (1 when q == 0: plain decoding): one plus
+        the probability of reaching each position, from ``position_rates`` (exactly the
+        histogram's mean at its own q; the closed form with ``alpha``)."""
         if q < 0:
             raise ValueError("q must be >= 0")
-        if q == 0:
-            return 1.0
-        if self.accepted_counts is not None and q == self.measured_q:
-            mean = self.measured_mean
-            assert mean is not None
-            return mean
-        return self.closed_form(self.effective_alpha, q)
+        total, reach = 1.0, 1.0
+        for rate in self.position_rates(q):
+            reach *= rate
+            total += reach
+        return total

@@ -1,0 +1,81 @@
+"""The engine's own scheduling objects, built for the simulator without a model or a device.
+
+The replay (``replay.py``) drives the real ``specstream.engine.scheduler.Scheduler`` over the
+real ``KVManager``, laid out by the real ``RuntimeLayout``: admission, reservations, chunked
+prefill, the two ping-pong groups, the ``fill`` residency (``residency_targets``), promotions
+and write-backs are the engine's code, not a copy. What the simulator supplies is what the
+engine would learn from its model folder: the target's layer count and KV bytes per token
+(``Geometry``), and the ``EngineConfig`` the run used (``engine_config``: a bench JSON's
+settings go through the bench's own ``BenchSettings.engine_kwargs``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from specstream.bench.runner import BenchSettings
+from specstream.config import EngineConfig
+from specstream.engine.layout import RuntimeLayout
+from specstream.engine.scheduler import Scheduler
+from specstream.kvcache.manager import KVManager
+from specstream.models.config import ModelConfig
+
+SIMULATED_DRAFT = "(simulated draft)"  # a draft_model name for configs that need one
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the engine's layout reads of the target model."""
+
+    num_layers: int
+    kv_bytes_per_token: int  # target KV (K and V), all layers, in the KV dtype
+    max_model_len: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1 or self.kv_bytes_per_token % (2 * self.num_layers):
+            raise ValueError(f"KV bytes per token ({self.kv_bytes_per_token}) must be a "
+                             f"multiple of 2 x layers ({self.num_layers})")
+
+    def model_config(self) -> ModelConfig:
+        """A stand-in ModelConfig with this geometry (one KV head; 1-byte elements, so that
+        ``kv_bytes_per_token(1)`` is the KV bytes whatever the KV dtype is)."""
+        return ModelConfig(
+            family="qwen3", vocab_size=8, hidden_size=8, num_layers=self.num_layers,
+            num_heads=1, num_kv_heads=1,
+            head_dim=self.kv_bytes_per_token // (2 * self.num_layers), intermediate_size=8,
+            max_position_embeddings=self.max_model_len)
+
+
+def engine_config(settings: dict[str, Any], mode: str, **overrides: Any) -> EngineConfig:
+    """The EngineConfig ``specstream bench`` ran ``mode`` with, from its JSON ``settings``
+    (through ``BenchSettings.engine_kwargs``, as the bench itself builds it); ``overrides``
+    replace EngineConfig fields (e.g. ``drafting="sequential"`` for an ablation)."""
+    known = {f.name for f in fields(BenchSettings)}
+    s = BenchSettings(**{k: v for k, v in settings.items() if k in known and v is not None})
+    kw = {**s.engine_kwargs(mode), **overrides}
+    kw.pop("link_gbps", None)  # the link is the simulator's; the schedule does not read it
+    if kw.get("proposer") == "draft" and not kw.get("draft_model"):
+        kw["draft_model"] = SIMULATED_DRAFT
+    return EngineConfig(**kw)
+
+
+@dataclass
+class EngineObjects:
+    layout: RuntimeLayout
+    scheduler: Scheduler
+
+    @property
+    def kv(self) -> KVManager:
+        return self.scheduler.kv
+
+    @property
+    def history_token_bytes(self) -> int:
+        return self.layout.block_bytes // self.layout.block_size
+
+
+def build(config: EngineConfig, geometry: Geometry) -> EngineObjects:
+    """Layout, KV manager and scheduler as ``LLMEngine.__init__`` builds them."""
+    layout = RuntimeLayout.build(config, geometry.model_config(), 1, frozenset())
+    scheduler = Scheduler.for_layout(config, layout)
+    return EngineObjects(layout, scheduler)

@@ -1,0 +1,185 @@
+"""What one engine step costs: its compute, fitted on a bench run's measured steps, and its wait
+on the link, from the step's bytes and the way the mode moves history.
+
+Compute (``fit_modes``): non-negative least squares of each measured step's compute time
+(wall minus time blocked on the link) on what the step held, the columns of ``FEATURES``, the
+target's columns shared by every mode of the run:
+
+- a constant (launches, the Python of a step, the sampler);
+- query tokens (the target's linear layers over prefill chunks, last tokens and drafts);
+- attention pairs (query x key positions: a prefill chunk's is quadratic) and context tokens
+  (the KV every request's queries read);
+- sequences in the target forward (per-request work: metadata, sampling, acceptance);
+- draft tokens, drafting sequences and the tokens the draft caught up on before drafting (its
+  forwards), kept apart as the ``draft part``.
+
+Link wait (``StepCost.wait_s``), not fitted: the engine moves a step's history in ``units``
+pieces that compute can overlap one after another: ``restore`` modes one layer at a time with
+the next layer prefetched (units = layers), ``stream`` modes one chunk wave at a time through a
+staging ring (units = layers x waves per layer), restore-all-then-verify in one piece. The first
+piece is never hidden; each later one hides behind the compute of the piece before it:
+``wait = r + (units - 1) x max(0, r - c)`` with ``r = link / units`` and ``c`` the target
+compute (the draft part excluded) over ``units``. On the bench runs behind docs/simulator.md
+this puts the measured waits within ~20% without a fitted parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from specstream.engine.step import StepOutput, StepPlan
+from specstream.sim.calibrate import nnls
+
+FEATURES = ("const_s", "per_query_token_s", "per_attention_pair_s", "per_context_token_s",
+            "per_seq_s", "per_draft_token_s", "per_draft_seq_s", "per_draft_fed_token_s")
+DRAFT_COLUMNS = (5, 6, 7)  # the draft part of a step's compute
+SHARED = (1, 2, 3, 4)  # the target's forward: the same in every mode (``fit_modes``)
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """What a step held (the fields of the engine's ``RoundStats`` the cost model reads)."""
+
+    query_tokens: float
+    attention_pairs: float
+    context_tokens: float
+    num_seqs: float
+    draft_tokens: float
+    draft_seqs: float
+    history_bytes: float = 0.0  # host-to-device history the step needs
+    units: int = 0  # pieces the history moves in (module docstring)
+    writeback_bytes: float = 0.0  # device-to-host copies made right after the step (prefill)
+    prefill_tokens: float = 0.0
+    draft_fed_tokens: float = 0.0  # tokens the draft caught up on before drafting
+
+    def row(self) -> list[float]:
+        return [1.0, self.query_tokens, self.attention_pairs, self.context_tokens,
+                self.num_seqs, self.draft_tokens, self.draft_seqs, self.draft_fed_tokens]
+
+    @classmethod
+    def of_record(cls, r: dict[str, Any]) -> StepFeatures:
+        """A measured step of a bench JSON (``modes[*].rounds`` or ``prefill_steps``)."""
+        q, ctx = float(r["query_tokens"]), float(r["context_tokens"])
+        pairs = r.get("attention_pairs")
+        if pairs is None:  # files from before the field: one query block over the context
+            pairs = q * ctx / max(1.0, float(r["num_seqs"]))
+        return cls(q, float(pairs), ctx, float(r["num_seqs"]), float(r.get("draft_tokens", 0)),
+                   float(r.get("draft_seqs", 0)), float(r.get("history_bytes", 0)),
+                   prefill_tokens=float(r.get("prefill_tokens", 0)),
+                   draft_fed_tokens=float(r.get("draft_fed_tokens", 0)))
+
+    @classmethod
+    def of_step(cls, plan: StepPlan, out: StepOutput, token_bytes: int, layers: int,
+                history: str, wave_requests: int) -> StepFeatures:
+        """A simulated step: the plan the scheduler made and the output the worker gave.
+        ``history``: how the mode moves it ("restore", "stream", "restore-all" or "none")."""
+        lens = [(s.start_pos, len(s.token_ids)) for s in plan.seqs]
+        chunks = [len(s.restore_chunks) for s in plan.seqs if s.restore_chunks]
+        if not chunks or history == "none":
+            units = 0
+        elif history == "restore":
+            units = layers
+        elif history == "stream":  # per layer, wave j holds the j-th chunk of <= W requests
+            units = layers * sum(math.ceil(sum(c > j for c in chunks) / wave_requests)
+                                 for j in range(max(chunks)))
+        else:
+            units = 1
+        drafts = [d for d in out.drafts.values() if d]
+        return cls(
+            query_tokens=plan.num_tokens, attention_pairs=sum(n * (p + n) for p, n in lens),
+            context_tokens=sum(p + n for p, n in lens), num_seqs=len(plan.seqs),
+            draft_tokens=sum(len(d) for d in drafts), draft_seqs=len(drafts),
+            history_bytes=sum(s.host_tokens for s in plan.seqs) * token_bytes, units=units,
+            prefill_tokens=sum(n for s, (_, n) in zip(plan.seqs, lens) if s.prefill),
+            draft_fed_tokens=sum(d.unseen for d in plan.drafts if out.drafts.get(d.request_id)))
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Compute of one step of a mode, fitted on its measured steps; the link wait on top."""
+
+    coef: tuple[float, ...]  # seconds per unit of each of FEATURES
+
+    def compute_s(self, f: StepFeatures) -> tuple[float, float]:
+        """(compute, its draft part)."""
+        parts = [c * v for c, v in zip(self.coef, f.row(), strict=True)]
+        return sum(parts), sum(parts[i] for i in DRAFT_COLUMNS)
+
+    @staticmethod
+    def wait_s(link_s: float, overlappable_s: float, units: int) -> float:
+        """Time the step blocks on the link (module docstring)."""
+        if units <= 0 or link_s <= 0:
+            return 0.0
+        r, c = link_s / units, overlappable_s / units
+        return r + (units - 1) * max(0.0, r - c)
+
+    def seconds(self, f: StepFeatures, link_bw: float) -> tuple[float, float, float]:
+        """(wall, compute, link busy) of a step over a link of ``link_bw`` bytes/s."""
+        compute, draft = self.compute_s(f)
+        link = f.history_bytes / link_bw
+        wall = compute + self.wait_s(link, compute - draft, f.units) + f.writeback_bytes / link_bw
+        return wall, compute, link + f.writeback_bytes / link_bw
+
+    def describe(self) -> str:
+        units = {"const_s": ("ms", 1e3), "per_query_token_s": ("us/query token", 1e6),
+                 "per_attention_pair_s": ("ns/attention pair", 1e9),
+                 "per_context_token_s": ("ns/context token", 1e9),
+                 "per_seq_s": ("ms/request", 1e3), "per_draft_token_s": ("ms/draft token", 1e3),
+                 "per_draft_seq_s": ("ms/drafting request", 1e3),
+                 "per_draft_fed_token_s": ("us/token the draft caught up on", 1e6)}
+        return " + ".join(f"{c * units[n][1]:.3g} {units[n][0]}"
+                          for n, c in zip(FEATURES, self.coef, strict=True) if c > 1e-15)
+
+
+def _target(r: dict[str, Any], f: StepFeatures, link_bw: float) -> float:
+    """A measured step's compute. A step that carried a prefill chunk copied the chunk's KV to
+    the host right after it, inside its compute time; that copy is costed on the link
+    (``StepCost.seconds``), so its share (the step's device-to-host bytes at the link rate) is
+    taken off."""
+    y = float(r["compute_s"])
+    if f.prefill_tokens:
+        d2h = max(0.0, float(r.get("link_bytes", 0)) - f.history_bytes)
+        y = max(0.0, y - d2h / link_bw)
+    return y
+
+
+def fit_modes(modes: dict[str, dict[str, Any]], link_bw: float) -> dict[str, StepCost]:
+    """Step costs of every mode of a bench JSON (``modes``: name -> its ``rounds`` and
+    ``prefill_steps``), fitted jointly: the target's forward (the ``SHARED`` columns) is the
+    same code in every mode, so those coefficients are shared (five modes' steps pin them
+    down: a prefill chunk costs the same whichever mode carries it); the constant and the
+    draft columns are the mode's own (its drafting strategy, its per-step overheads)."""
+    names = [m for m, v in modes.items() if v.get("rounds")]
+    own = [i for i in range(len(FEATURES)) if i not in SHARED]
+    width = len(SHARED) + len(own) * len(names)
+    rows, ys = [], []
+    for k, name in enumerate(names):
+        v = modes[name]
+        for r in list(v["rounds"]) + list(v.get("prefill_steps") or []):
+            f = StepFeatures.of_record(r)
+            full, row = f.row(), [0.0] * width
+            for j, i in enumerate(SHARED):
+                row[j] = full[i]
+            for j, i in enumerate(own):
+                row[len(SHARED) + k * len(own) + j] = full[i]
+            rows.append(row)
+            ys.append(_target(r, f, link_bw))
+    if not rows:
+        raise ValueError("no measured steps to fit")
+    x, y = np.array(rows, dtype=float), np.array(ys, dtype=float)
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    c = nnls(x / scale, y) / scale
+    out = {}
+    for k, name in enumerate(names):
+        coef = [0.0] * len(FEATURES)
+        for j, i in enumerate(SHARED):
+            coef[i] = float(c[j])
+        for j, i in enumerate(own):
+            coef[i] = float(c[len(SHARED) + k * len(own) + j])
+        out[name] = StepCost(tuple(coef))
+    return out
