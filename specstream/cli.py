@@ -95,6 +95,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "history on the device as fits (equal shares) and streams the rest; "
                         "'tail' keeps only the resident tail and streams everything older "
                         f"(default: {_default('residency')})")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   default=None,
+                   help="do not keep finished requests' KV blocks for later prompts that start "
+                        "with the same tokens (automatic prefix caching is on by default)")
     g.add_argument("--offload-after-tokens", type=int, default=None,
                    help="a request's history moves to the host past this many tokens "
                         "(default: a quarter of the model's context, at most 8192)")

@@ -93,6 +93,10 @@ class EngineConfig:
     # resident tail once past offload_after_tokens and streams everything older (the paper's
     # configuration; for ablations).
     residency: str = "fill"
+    # Automatic prefix caching (as vLLM's): the full KV blocks of finished requests stay
+    # cached in both tiers (LRU, yielding to requests), and a request whose prompt starts with
+    # cached blocks copies them instead of prefilling them (kvcache/prefix_cache.py).
+    enable_prefix_caching: bool = True
     # A request's history moves to the host once it passes this many tokens. None: derived
     # from the model by `default_offload_after` (a quarter of its context, at most 8192).
     offload_after_tokens: int | None = None

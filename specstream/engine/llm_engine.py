@@ -323,10 +323,15 @@ class LLMEngine:
         c["speculative_depth_chosen"] = dict(shaper.chosen) if shaper is not None else {}
         c["speculative_nodes_chosen"] = dict(shaper.chosen_nodes) if shaper is not None else {}
         block_bytes = self.store.block_bytes
-        dev, host = self.kv.device, self.kv.host
+        dev, host, cache = self.kv.device, self.kv.host, self.kv.cache
         c.update({
             "device_kv_blocks_used": dev.num_used, "device_kv_blocks_total": dev.num_blocks,
             "host_kv_blocks_used": host.num_used, "host_kv_blocks_total": host.num_blocks,
+            # automatic prefix caching (named as vLLM names them; tokens)
+            "prefix_cache_queries_total": cache.queries if cache else 0,
+            "prefix_cache_hits_total": cache.hits if cache else 0,
+            "prefix_cache_hits_by_tier": dict(cache.hits_by_tier) if cache else {},
+            "prefix_cache_blocks": {"device": dev.num_cached, "host": host.num_cached},
             "device_kv_usage": dev.num_used / dev.num_blocks if dev.num_blocks else 0.0,
             "host_kv_usage": host.num_used / host.num_blocks if host.num_blocks else 0.0,
             "mode": self.config.mode,

@@ -95,6 +95,8 @@ class Scheduler:
         # allocates anything: restore-mode room for its history (pool blocks lent to it) and
         # the decode rounds' new blocks
         self._step_room = 0
+        # prefix-cache hits of the requests admitted for the next step (StepPlan.cache_copies)
+        self._cache_copies: list[tuple[str, int, int]] = []
 
     @classmethod
     def for_layout(cls, config: EngineConfig, layout: RuntimeLayout,
@@ -106,7 +108,7 @@ class Scheduler:
                                offload_after_tokens=layout.offload_after_tokens,
                                chunk_tokens=config.chunk_tokens, residency=config.residency)
         kv = KVManager(config.block_size, layout.num_device_blocks, layout.num_host_blocks,
-                       policy)
+                       policy, prefix_caching=config.enable_prefix_caching)
         return cls(config, kv, restore_layers=layout.restore_layers,
                    max_model_len=layout.max_model_len, eos_token_ids=layout.eos_token_ids,
                    decode=decode, history_token_bytes=layout.block_bytes // config.block_size)
@@ -206,6 +208,10 @@ class Scheduler:
             if not self.kv.policy.offload:
                 # resident: hold the whole reservation now, as one run of consecutive blocks
                 self.kv.allocate(req.request_id, (r.device_blocks - 1) * self.config.block_size)
+            if not req.num_computed_tokens:  # prefix-cache hit: copies, not prefill
+                hit, copies = self.kv.adopt_prefix(req.request_id, req.prompt_token_ids)
+                req.num_computed_tokens = hit
+                self._cache_copies += copies
             self._reserved[req.request_id] = r
             self._reserved_device += r.device_total
             self._reserved_host += r.host_blocks
@@ -400,7 +406,9 @@ class Scheduler:
         seqs = self._promote(seqs)
         moving = tuple((rid, tuple(seq.moving)) for rid, seq in self.kv.seqs.items()
                        if seq.moving)
-        return StepPlan(tuple(seqs), self._draft_work(seqs, prefilling), finished, lent, moving)
+        copies, self._cache_copies = tuple(self._cache_copies), []
+        return StepPlan(tuple(seqs), self._draft_work(seqs, prefilling), finished, lent, moving,
+                        cache_copies=copies)
 
     def _draft_work(self, seqs: list[SeqWork], prefilling: bool) -> tuple[DraftWork, ...]:
         """Who drafts in this step. Requests not verified in it and still without drafts
@@ -494,6 +502,7 @@ class Scheduler:
         request with neither tokens nor an error in the output did not run: it stays as it was
         and is scheduled again."""
         result = StepUpdate()
+        self.kv.release_pins()  # the step made its prefix-cache copies
         self.kv.device.free(list(plan.restore_blocks))
         for work in plan.seqs:  # promoted blocks the step's stream filled join the window
             if work.promote and work.request_id in self.kv.seqs:
@@ -603,7 +612,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(rid)
+        # the prefix cache keeps its full blocks (not a failed request's: its KV may be bad)
+        self.kv.free(rid, req.all_token_ids if reason != "error" else None)
         self._finished.append(rid)
         r = self._reserved.pop(rid, None)
         if r is not None:

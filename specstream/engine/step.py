@@ -119,6 +119,9 @@ class StepPlan:
     # tail past its budget; still the head of the request's device tail (attended there) until
     # the update sees them landed.
     writebacks: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
+    # Prefix-cache hits of requests admitted for this step: block copies (kind "h2h", "d2h" or
+    # "d2d", source block, destination block) made before anything else of the step.
+    cache_copies: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -85,6 +85,8 @@ class Worker:
         out = StepOutput(start=t0)
         for rid in plan.finished:
             self.release(rid)
+        if plan.cache_copies:  # prefix-cache hits: the requests' own copies, before any use
+            self.store.copy_blocks(plan.cache_copies)
         # decode rounds' write-backs, at low priority: they overlap this round, which still
         # attends the blocks on the device
         writebacks = self._copy_to_host(plan.writebacks)

@@ -36,33 +36,51 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specstream.kvcache.prefix_cache import Entry, PrefixCache
+
+# A block copy the worker makes at the start of a step (prefix-cache hits): kind ("h2h": host
+# to host, "d2h": device to host, "d2d": device to device), source block, destination block.
+BlockCopy = tuple[str, int, int]
+
 
 class OutOfBlocks(RuntimeError):
     """A tier has no free block for an allocation the caller should have checked."""
 
 
 class BlockAllocator:
-    """Free list of block ids of one tier, with usage peak."""
+    """Free list of block ids of one tier, with usage peak. Blocks the prefix cache holds
+    (``cache``) count as free: an allocation that needs them takes them back."""
 
-    def __init__(self, num_blocks: int, tier: str) -> None:
+    def __init__(self, num_blocks: int, tier: str, cache: PrefixCache | None = None) -> None:
         if num_blocks < 0:
             raise ValueError(f"{tier} tier: num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.tier = tier
+        self.cache = cache
         self._free: list[int] = list(range(num_blocks))  # sorted
         self.peak_used = 0
 
     @property
+    def num_cached(self) -> int:
+        """Blocks the prefix cache holds in this tier."""
+        return self.cache.num_blocks(self.tier) if self.cache is not None else 0
+
+    @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: free ones and cached ones not pinned."""
+        spare = self.cache.num_reclaimable(self.tier) if self.cache is not None else 0
+        return len(self._free) + spare
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks requests hold (the cache's not counted)."""
+        return self.num_blocks - len(self._free) - self.num_cached
 
     def allocate(self, n: int, after: int | None = None) -> list[int]:
         """``n`` blocks, consecutive ids when possible (continuing ``after`` first): a request's
         consecutive blocks of one layer are one contiguous view for attention."""
+        if n > len(self._free) and self.cache is not None:
+            self.free(self.cache.reclaim(self.tier, n - len(self._free)))
         free = self._free
         if n > len(free):
             raise OutOfBlocks(f"{self.tier} tier: need {n} blocks, {len(free)} free")
@@ -174,7 +192,8 @@ class KVManager:
     """Block bookkeeping for both tiers."""
 
     def __init__(
-        self, block_size: int, num_device_blocks: int, num_host_blocks: int, policy: OffloadPolicy
+        self, block_size: int, num_device_blocks: int, num_host_blocks: int, policy: OffloadPolicy,
+        prefix_caching: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
@@ -185,9 +204,11 @@ class KVManager:
             )
         self.block_size = block_size
         self.policy = policy
-        self.device = BlockAllocator(num_device_blocks, "device")
-        self.host = BlockAllocator(num_host_blocks, "host")
+        self.cache = PrefixCache(block_size) if prefix_caching else None
+        self.device = BlockAllocator(num_device_blocks, "device", self.cache)
+        self.host = BlockAllocator(num_host_blocks, "host", self.cache)
         self.seqs: dict[str, SeqBlocks] = {}
+        self._pinned: list[tuple[Entry, str]] = []  # cache blocks the next step copies from
 
     # ---- queries ------------------------------------------------------------------------
     def host_tokens(self, rid: str) -> int:
@@ -258,11 +279,72 @@ class KVManager:
             self.device.free(seq.device_blocks[keep:])
             del seq.device_blocks[keep:]
 
-    def free(self, rid: str) -> None:
+    def free(self, rid: str, token_ids: list[int] | None = None) -> None:
+        """Release ``rid``'s blocks. With the prefix cache and the request's ``token_ids``
+        (None: its KV is not to be trusted, e.g. it failed), its full blocks move into the
+        cache instead (no copy); the cache frees the copies it already has."""
         seq = self.seqs.pop(rid, None)
-        if seq is not None:
-            self.device.free(seq.device_blocks + seq.promoting)
-            self.host.free(seq.host_blocks + [h for _, h in seq.moving])
+        if seq is None:
+            return
+        device, host = list(seq.device_blocks), list(seq.host_blocks)
+        self.device.free(seq.promoting)
+        self.host.free([h for _, h in seq.moving])  # write-backs that did not land
+        if self.cache is not None and token_ids is not None:
+            full = min(seq.num_tokens, len(token_ids)) // self.block_size
+            on_device = [device[i - seq.first] if seq.first <= i < seq.first + len(device)
+                         else None for i in range(full)]
+            on_host = [host[i] if i < len(host) else None for i in range(full)]
+            taken = {b for b in on_device if b is not None}, {b for b in on_host if b is not None}
+            left_device, left_host = self.cache.insert(token_ids, on_device, on_host)
+            device = [b for b in device if b not in taken[0]] + left_device
+            host = [b for b in host if b not in taken[1]] + left_host
+        self.device.free(device)
+        self.host.free(host)
+
+    # ---- prefix cache -------------------------------------------------------------------
+    def adopt_prefix(self, rid: str, prompt: list[int]) -> tuple[int, list[BlockCopy]]:
+        """A newly admitted request whose prompt starts with cached blocks takes copies of
+        them as its own KV (at least its last prompt token is left to prefill): returns the
+        tokens it need not prefill and the copies the next step makes first. Offloading
+        modes: the copies are host blocks (the request's cold history: it streams, or fills
+        the device window by promotion, like any other); resident: device blocks."""
+        if self.cache is None:
+            return 0, []
+        bs, p = self.block_size, self.policy
+        max_blocks = (len(prompt) - 1) // bs
+        seq = self.seqs.setdefault(rid, SeqBlocks())
+        if seq.num_tokens or seq.host_blocks:
+            return 0, []
+        if p.offload:
+            hits = self.cache.lookup(prompt, max_blocks)
+            # as many as the host tier can take without the cached copies the hits read
+            while hits and len(hits) > self.host.num_free - sum(e.host is not None
+                                                                 for e in hits):
+                hits.pop()
+        else:  # resident: the blocks reserved at admission receive device copies
+            hits = self.cache.lookup(prompt, min(max_blocks, len(seq.device_blocks)),
+                                     tiers=("device",))
+        self.cache.record(len(prompt), ["host" if p.offload and e.host is not None else "device"
+                                        for e in hits])
+        if not hits:
+            return 0, []
+        sources = [_source(e, p.offload) for e in hits]
+        pins = [(e, "host" if kind == "h2h" else "device") for e, (kind, _) in zip(hits, sources)]
+        self.cache.pin(pins)  # before allocating: the allocation may reclaim cached blocks
+        self._pinned += pins
+        if p.offload:
+            dst = self.host.allocate(len(hits))
+            seq.host_blocks, seq.first = dst, len(hits)
+        else:
+            dst = seq.device_blocks[: len(hits)]
+        seq.num_tokens = len(hits) * bs
+        return seq.num_tokens, [(kind, src, d) for (kind, src), d in zip(sources, dst)]
+
+    def release_pins(self) -> None:
+        """The step that made the planned copies has run: their sources may be evicted."""
+        if self.cache is not None:
+            self.cache.unpin(self._pinned)
+        self._pinned = []
 
     # ---- residency ----------------------------------------------------------------------
     def set_target(self, rid: str, blocks: int) -> None:
@@ -359,3 +441,12 @@ class KVManager:
             blocks = tuple(seq.host_blocks[i : min(i + per_chunk, seq.first)])
             out.append(RestoreChunk(blocks, i * self.block_size, len(blocks) * self.block_size))
         return out
+
+
+def _source(e: Entry, to_host: bool) -> tuple[str, int]:
+    """How a hit's copy is made and from which cached block: to the host, from the cache's
+    host copy where it has one, else from its device copy; to the device, from the device."""
+    if to_host and e.host is not None:
+        return "h2h", e.host
+    assert e.device is not None, "a hit without a copy in the tier it was looked up in"
+    return ("d2h" if to_host else "d2d"), e.device

@@ -164,6 +164,13 @@ class ServerMetrics:
                 "accepted_per_pos": list(e.get("accepted_per_pos", [])),
                 "kv_blocks_used": {t: e.get(f"{t}_kv_blocks_used", 0) for t in TIERS},
                 "kv_blocks_total": {t: e.get(f"{t}_kv_blocks_total", 0) for t in TIERS},
+                # automatic prefix caching: prompt tokens looked up, found (by the tier the
+                # copy came from), and the blocks the cache holds
+                "prefix_cache_queries": e.get("prefix_cache_queries_total", 0),
+                "prefix_cache_hits": {t: e.get("prefix_cache_hits_by_tier", {}).get(t, 0)
+                                      for t in TIERS},
+                "prefix_cache_blocks": {t: e.get("prefix_cache_blocks", {}).get(t, 0)
+                                        for t in TIERS},
                 "link_bytes": {d: e.get(f"link_bytes_{d}", 0) for d in ("h2d", "d2h")},
                 "finished": dict(self.finished),
                 "rejected": dict(self.rejected),
@@ -250,6 +257,15 @@ class MetricsExporter:
                           "Fraction of KV blocks in use, by tier (1 = full).",
                           [({"tier": t}, used[t] / total[t] if total[t] else 0.0)
                            for t in TIERS])
+        yield one("counter", "specstream_prefix_cache_queries",
+                  "Prompt tokens looked up in the prefix cache.", m["prefix_cache_queries"])
+        yield self.family("counter", "specstream_prefix_cache_hits",
+                          "Prompt tokens found in the prefix cache (not prefilled), by the tier "
+                          "their copy came from.",
+                          [({"tier": t}, m["prefix_cache_hits"][t]) for t in TIERS])
+        yield self.family("gauge", "specstream_prefix_cache_blocks",
+                          "KV blocks the prefix cache holds (they yield to requests), by tier.",
+                          [({"tier": t}, m["prefix_cache_blocks"][t]) for t in TIERS])
         yield one("gauge", "specstream_kv_device_used_bytes", "Device KV bytes in use.",
                   gauge["kv_device_used_bytes"])
         yield one("gauge", "specstream_kv_host_used_bytes", "Host KV bytes in use.",
