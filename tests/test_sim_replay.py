@@ -17,14 +17,14 @@ from specstream.sim.calibrate import predict, relative_errors, validation_table
 from specstream.sim.engine_model import build, engine_config
 from specstream.sim.fake_worker import FakeWorker
 from specstream.sim.replay import replay, replay_mean, setups
-from specstream.sim.step_cost import StepCost
+from specstream.sim.step_cost import StepCost, StepFeatures, fit_modes
 from specstream.sim.workload import AcceptanceModel
 
 RESULTS = Path(__file__).parents[1] / "bench" / "results"
 # `specstream bench --quick --link-gbps 1.0` (6 x 2048 tokens, 48 out) and `specstream bench
 # --context-len 3072 --num-requests 6 --output-len 48 --link-gbps 0.5`, both residency fill
 BENCH_A, BENCH_B = RESULTS / "sim-calib-A.json", RESULTS / "sim-calib-B.json"
-THROUGHPUT_BOUND = 0.20  # see docs/simulator.md: the issue's 15% is not met by every mode
+THROUGHPUT_BOUND = 0.15  # the issue's bound, met by every mode in both directions
 SETTINGS = json.loads(BENCH_A.read_text())["settings"]
 
 
@@ -98,6 +98,36 @@ def test_link_wait_per_unit() -> None:
     assert StepCost.wait_s(1.0, 0.5, 0) == 0.0
 
 
+def test_a_draft_on_its_own_thread_hides_behind_the_wait_only() -> None:
+    """parallel drafting (CPU backend): the draft thread shares the interpreter with the
+    target's forward, so the step pays the part of the draft the link wait does not cover."""
+    f = StepFeatures(query_tokens=10, attention_pairs=0, context_tokens=0, num_seqs=1,
+                     draft_tokens=4, draft_seqs=1, history_bytes=0.0, units=0)
+    coef = (0.0, 1e-3, 0.0, 0.0, 0.0, 5e-3, 0.0, 0.0)  # target 10 ms, draft 20 ms
+    serial, overlapped = StepCost(coef), StepCost(coef, concurrent_draft=True)
+    assert serial.seconds(f, 1e9)[0] == pytest.approx(0.030)
+    assert overlapped.seconds(f, 1e9)[0] == pytest.approx(0.030)  # no wait: nothing hidden
+    waits = replace(f, history_bytes=15e6, units=1)  # 15 ms on the link, one piece
+    assert serial.seconds(waits, 1e9)[0] == pytest.approx(0.045)
+    assert overlapped.seconds(waits, 1e9)[0] == pytest.approx(0.010 + 0.015 + 0.005)
+
+
+def test_parallel_drafting_is_fitted_on_the_measured_draft_time() -> None:
+    """A parallel mode's draft columns come from RoundStats.draft_s, and only what the wait
+    left exposed is taken off its compute: 2 ms a draft token, recovered exactly."""
+    def step(q: int, dt: int, wait: float) -> dict[str, float]:
+        draft, target = 2e-3 * dt, 1e-3 * q
+        return {"query_tokens": q, "context_tokens": 0, "attention_pairs": 0, "num_seqs": 1,
+                "draft_tokens": dt, "draft_seqs": 1 if dt else 0, "draft_s": draft,
+                "wait_s": wait, "compute_s": target + max(0.0, draft - wait)}
+    rounds = [step(q, dt, w) for q in (2, 5, 9) for dt in (0, 3, 8) for w in (0.0, 0.01)]
+    costs = fit_modes({"parallel-spec": {"rounds": rounds, "drafting": "parallel"}}, 1e9)
+    c = costs["parallel-spec"]
+    assert c.concurrent_draft
+    assert c.coef[1] == pytest.approx(1e-3, rel=1e-6)
+    assert c.coef[5] == pytest.approx(2e-3, rel=1e-6)
+
+
 def test_auto_policy_and_trees_run_through_the_scheduler() -> None:
     """speculative_policy auto: the scheduler's own RoundShaper chooses depths from what the
     replay tells it; trees: the scheduler hands the worker tree-shaped drafts."""
@@ -120,16 +150,22 @@ def test_restore_all_ablation_is_slower_than_layer_prefetch() -> None:
     assert full.throughput < layered.throughput
 
 
-def test_costs_fitted_on_one_run_predict_another() -> None:
-    """Issue 19's pair: costs from A (2048 tokens, 1 GB/s) predict B (3072, 0.5 GB/s)."""
-    _, results, measured = predict(BENCH_B, "replay", costs_from=BENCH_A)
+@pytest.mark.parametrize(("run", "costs"), [(BENCH_B, BENCH_A), (BENCH_A, BENCH_B)])
+def test_costs_fitted_on_one_run_predict_another(run: Path, costs: Path) -> None:
+    """Issue 19's pair: costs from A (2048 tokens, 1 GB/s) predict B (3072, 0.5 GB/s), and
+    the other way round."""
+    _, results, measured = predict(run, "replay", costs_from=costs)
     errors = relative_errors(results, measured)
     assert set(errors) == set(measured)
     assert all(abs(e) < THROUGHPUT_BOUND for e in errors.values()), errors
+
+
+def test_the_validation_table_has_both_samples() -> None:
     # the check has teeth: B's offload is 2.4x slower than A's (half the link, longer
     # histories); a prediction that ignored the link would miss it by far more
-    a = json.loads(BENCH_A.read_text())["modes"]["offload"]["output_tokens_per_s"]
-    assert abs(a / measured["offload"]["output_tokens_per_s"] - 1) > 1.0
+    a, b = (json.loads(f.read_text())["modes"]["offload"]["output_tokens_per_s"]
+            for f in (BENCH_A, BENCH_B))
+    assert abs(a / b - 1) > 1.0
     table, worst = validation_table(BENCH_B, BENCH_A)
     assert "in sample" in table and "out of sample" in table
     assert {k.split(" ", 1)[1] for k in worst} == {"output tok/s", "TPOT", "TTFT"}

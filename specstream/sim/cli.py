@@ -23,7 +23,11 @@ EPILOG = """examples:
   specstream simulate --calibrate bench.json        # predicted vs measured, per mode
   specstream simulate --paper-table                 # the table of docs/simulator.md
   specstream simulate --context 32768 --concurrency 32 --compare-residency   # fill vs tail
+  specstream simulate --hardware A100-80GB --target Qwen3-8B --concurrency 32 --ladder
+  specstream simulate --ladder-table                # the ablation ladder of docs/simulator.md
+  specstream simulate --kv-dtype fp8 --link-copy-us 5  # levers: KV dtype, per-copy link cost
 """
+KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 def _ints(text: str) -> list[int]:
@@ -45,9 +49,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     hw.add_argument("--tflops", type=float, help="dense bf16 matrix throughput, TFLOP/s")
     hw.add_argument("--layer-overhead-us", type=float,
                     help="fixed cost per layer per forward, microseconds (default 10)")
+    hw.add_argument("--link-copy-us", type=float,
+                    help="fixed cost per DMA copy on the link, microseconds: per request per "
+                    "layer when restoring, per request per chunk per layer when streaming "
+                    "(default 0)")
     m = p.add_argument_group("models (built-in name or path to an HF config.json / checkpoint)")
     m.add_argument("--target", default="Qwen3-8B", help=f"built-ins: {', '.join(MODELS)}")
     m.add_argument("--draft", default="Qwen3-0.6B", help="draft model: a built-in name or a path")
+    m.add_argument("--kv-dtype", choices=tuple(KV_DTYPE_BYTES),
+                   help="dtype of the KV cache, if not the weights' (fp8 halves KV bytes per "
+                   "token: device memory, attention reads and link bytes)")
     w = p.add_argument_group("workload and acceptance")
     w.add_argument("--context", default="32768",
                    help="prompt lengths: 32768, a list 8192,32768, or weighted 8192:0.3,32768:0.7")
@@ -95,6 +106,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="with --calibrate: exit 1 if any |relative error| exceeds this")
     o.add_argument("--paper-table", action="store_true",
                    help="print the paper-settings table of docs/simulator.md")
+    o.add_argument("--ladder", action="store_true",
+                   help="the README's ablation ladder (offload-spec q=4 -> + streaming -> + gap "
+                   "drafting -> + adaptive chain -> + trees) on this scenario's longest "
+                   "context at --concurrency (capped by every step's memory)")
+    o.add_argument("--ladder-table", action="store_true",
+                   help="the ladder for H200/A100 x Qwen3-8B/32B, InternLM2.5-7B at 32K "
+                   "(the table of docs/simulator.md)")
     o.add_argument("--compare-residency", action="store_true",
                    help="simulate the scenario with both residencies; print link bytes per "
                    "round and throughput per mode, tail against fill")
@@ -107,7 +125,8 @@ def _scenario(args: argparse.Namespace) -> Scenario:
     scale = {"link_bytes_per_s": (args.link_gbps, gb), "device_memory_bytes":
              (args.device_mem_gb, gb), "hbm_bytes_per_s": (args.hbm_tbps, tb),
              "matrix_flops": (args.tflops, tb), "layer_overhead_s": (args.layer_overhead_us,
-                                                                      1e-6)}
+                                                                      1e-6),
+             "link_copy_s": (args.link_copy_us, 1e-6)}
     hardware = get_hardware(args.hardware, args.pcie,
                             **{k: v * s for k, (v, s) in scale.items() if v is not None})
     pairs = [x.split(":") for x in args.context.split(",") if x]
@@ -123,6 +142,8 @@ def _scenario(args: argparse.Namespace) -> Scenario:
                              args.concurrency, args.alpha, args.output_len, policy=policy,
                              arrival_rate=args.arrival_rate, num_requests=args.num_requests,
                              weights=weights, seed=args.seed)
+    if args.kv_dtype:
+        sc = replace(sc, costs=replace(sc.costs, kv_dtype_bytes=KV_DTYPE_BYTES[args.kv_dtype]))
     if args.accepted_counts:
         counts = tuple(_ints(args.accepted_counts))
         acc = AcceptanceModel(accepted_counts=counts, measured_q=len(counts) - 1)
@@ -212,8 +233,22 @@ def run(args: argparse.Namespace) -> int:
 
         print(paper_table())
         return 0
+    if args.ladder_table:
+        from specstream.sim.ladder import ladder_grid
+
+        print(ladder_grid())
+        return 0
     sc = _scenario(args)
     modes = [x for x in args.modes.split(",") if x]
+    if args.ladder:
+        from specstream.sim.ladder import ladder, ladder_concurrency, ladder_table
+
+        n = ladder_concurrency(sc, args.concurrency)
+        print(describe(sc), "\n")
+        print(f"ladder: {n} requests of {max(sc.workload.context_lengths)} tokens "
+              f"(asked {args.concurrency}); roofline, untested on a GPU\n")
+        print(ladder_table(ladder(sc, args.alpha, n)))
+        return 0
     if args.compare_residency:
         return _compare_residency(sc, modes)
     results = simulate(sc, modes)

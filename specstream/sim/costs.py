@@ -23,6 +23,7 @@ class Costs(Protocol):
     device_budget_bytes: float  # device memory for weights + KV + buffers
     host_budget_bytes: float
     link_bw: float  # host-to-device bytes/s
+    link_copy_s: float  # fixed cost of one copy on the link (a DMA)
 
     def layers(self, which: Which) -> int: ...
     def kv_bytes(self, which: Which) -> float: ...  # per token, all layers
@@ -43,11 +44,20 @@ class Costs(Protocol):
 
 @dataclass(frozen=True)
 class RooflineCosts:
-    """Datasheet roofline: a kernel takes max(bytes / bandwidth, FLOPs / throughput)."""
+    """Datasheet roofline: a kernel takes max(bytes / bandwidth, FLOPs / throughput).
+
+    ``kv_dtype_bytes``: bytes per KV element when the KV cache is stored in another dtype than
+    the weights (fp8: 1); it scales every KV size (device memory, attention reads, link
+    bytes) of both models. None: the weights' dtype."""
 
     hardware: HardwareProfile
     target: ModelProfile
     draft: ModelProfile
+    kv_dtype_bytes: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype_bytes is not None and self.kv_dtype_bytes <= 0:
+            raise ValueError("kv_dtype_bytes must be positive")
 
     def _model(self, which: Which) -> ModelProfile:
         return self.target if which == "target" else self.draft
@@ -64,11 +74,18 @@ class RooflineCosts:
     def link_bw(self) -> float:
         return self.hardware.link_bw
 
+    @property
+    def link_copy_s(self) -> float:
+        return self.hardware.link_copy_s
+
     def layers(self, which: Which) -> int:
         return self._model(which).num_layers
 
     def kv_bytes(self, which: Which) -> float:
-        return float(self._model(which).kv_bytes_per_token)
+        m = self._model(which)
+        if self.kv_dtype_bytes is None:
+            return float(m.kv_bytes_per_token)
+        return m.kv_bytes_per_token / m.dtype_bytes * self.kv_dtype_bytes
 
     def weight_bytes(self, which: Which) -> float:
         return float(self._model(which).weight_bytes)
@@ -83,7 +100,7 @@ class RooflineCosts:
 
     def attention_s(self, which: Which, q_per_req: float, ctx_tokens: float) -> float:
         m, hw = self._model(which), self.hardware
-        reads = ctx_tokens * m.kv_bytes_per_token / hw.mem_bw
+        reads = ctx_tokens * self.kv_bytes(which) / hw.mem_bw
         math = q_per_req * ctx_tokens * m.attention_flops_per_pair / hw.flops
         return max(reads, math)
 
@@ -128,6 +145,7 @@ class FittedCosts:
     weights: tuple[float, float]
     forward: tuple[LinearFit, LinearFit]
     prefill: tuple[PrefillFit, PrefillFit]
+    link_copy_s: float = 0.0  # not measured: the bench's copies are inside its link rate
 
     def _i(self, which: Which) -> int:
         return 0 if which == "target" else 1

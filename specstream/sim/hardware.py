@@ -37,6 +37,10 @@ class HardwareProfile:
     flops_efficiency: float = 0.6  # fraction of peak matrix throughput reached (MFU)
     layer_overhead_s: float = 10e-6  # fixed cost per layer per forward (launches, syncs)
     memory_utilisation: float = 0.9  # share of device memory the engine may use
+    # fixed cost of one DMA copy on the link (descriptor setup, launch, completion), paid per
+    # request per layer by a layer-wise restore and per request per chunk per layer by a
+    # streamed one; 0 = bytes / bandwidth only
+    link_copy_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -51,6 +55,8 @@ class HardwareProfile:
         for field in ("hbm_efficiency", "flops_efficiency", "memory_utilisation"):
             if not 0 < getattr(self, field) <= 1:
                 raise ValueError(f"{field} must be in (0, 1]")
+        if self.link_copy_s < 0:
+            raise ValueError("link_copy_s must be >= 0")
         if self.layer_overhead_s < 0 or self.host_memory_bytes <= 0:
             raise ValueError("layer_overhead_s must be >= 0 and host memory positive")
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specstream.sim.costs import Costs
-from specstream.sim.policy import OFFLOAD_MODES, RESTORE_MODES, SimPolicy
+from specstream.sim.policy import OFFLOAD_MODES, RESTORE_MODES, STREAM_MODES, SimPolicy
 from specstream.sim.residency import fill_level, fill_targets
 
 
@@ -71,7 +71,7 @@ def plan(mode: str, costs: Costs, policy: SimPolicy, contexts: Sequence[float]) 
     host = sum(cold)
     budget = costs.device_budget_bytes
     sub_batch = len(contexts)
-    if mode == "specstream" and host > 0:
+    if mode in STREAM_MODES and host > 0:
         group = math.ceil(len(contexts) / policy.groups)
         per_layer = kv_t / costs.layers("target")
         device += policy.staging_buffers * policy.chunk_tokens * group * per_layer
@@ -98,7 +98,7 @@ def _fill_plan(mode: str, costs: Costs, policy: SimPolicy,
         fixed = weights + (0.0 if mode == "parallel-spec" else draft_weights + draft)
     else:
         fixed, draft_dev = weights, 0.0
-    if mode == "specstream" and contexts:
+    if mode in STREAM_MODES and contexts:
         group = math.ceil(len(contexts) / policy.groups)
         fixed += (policy.staging_buffers * policy.chunk_tokens * group * kv_t
                   / costs.layers("target"))

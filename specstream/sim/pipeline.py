@@ -5,8 +5,12 @@ as tasks on the ``link`` (copy stream), ``compute`` (target device) and, for par
 ``draft_gpu`` resources; ``simulate_round`` runs it and measures one steady-state round.
 Conventions shared by the builders:
 
-- verification of a group = one target forward over q+1 query tokens per request, attending to
-  the request's whole context; drafting = q draft forwards of one token per request;
+- verification of a group = one target forward over 1 + q query positions per request (a
+  chain of q drafts, or a token tree of q nodes: ``Batch.shape``), attending to the request's
+  whole context; drafting = one draft forward per level of the shape (q for a chain, the
+  tree's depth for a tree), each over that level's share of the nodes per request;
+- every copy on the link pays ``link_copy_s`` (a DMA's fixed cost): one per request per layer
+  in the restore modes, one per request per chunk per layer in the stream modes;
 - a request's cold history (``Batch.cold``: what its tail, or in ``fill`` its share of the free
   device memory, does not keep) crosses the link once per round;
 - round 0 starts with its drafts already made (the pipeline fill), so the steady state is
@@ -25,19 +29,42 @@ from specstream.sim.costs import Costs
 from specstream.sim.events import Graph, Task
 from specstream.sim.memory import MemoryPlan, plan
 from specstream.sim.policy import SimPolicy, check_mode
+from specstream.spec.round_shape import Shape
 
 MAX_CHUNKS = 32  # chunks per layer are coarsened past this, to bound the task count
 
 
 @dataclass(frozen=True)
 class Batch:
-    """What a builder needs: the costs, the policy, the contexts and q."""
+    """What a builder needs: the costs, the policy, the contexts and q (or a round shape)."""
 
     costs: Costs
     policy: SimPolicy
     contexts: tuple[float, ...]
-    q: int
+    q: int  # drafts per request (a chain); a tree's node count when ``shape`` is one
     mode: str
+    shape: Shape | None = None  # the engine's round shape (spec/round_shape.py); None: Shape(q)
+
+    @property
+    def round_shape(self) -> Shape:
+        return self.shape if self.shape is not None else Shape(self.q)
+
+    @property
+    def positions(self) -> int:
+        """Query positions per request in a verification: the last token and every draft."""
+        return 1 + self.round_shape.num_nodes
+
+    @property
+    def levels(self) -> int:
+        """Draft forwards per round: one per level of the chain or tree."""
+        return self.round_shape.levels
+
+    @property
+    def level_tokens(self) -> float:
+        """Draft tokens per request in one draft forward (a tree's nodes spread over its
+        levels)."""
+        s = self.round_shape
+        return s.num_nodes / s.levels if s.levels else 0.0
 
     @cached_property
     def memory(self) -> MemoryPlan:
@@ -54,19 +81,24 @@ class Batch:
         return [self.contexts[i::n] for i in range(n)]
 
     def verify_s(self, ctx: Sequence[float]) -> float:
-        """Target forward over q+1 tokens per request (1 when not speculating)."""
+        """Target forward over ``positions`` tokens per request (1 when not speculating)."""
         c = self.costs
-        n = len(ctx) * (self.q + 1)
-        return c.linear_s("target", n) + c.attention_s("target", self.q + 1, sum(ctx) + n)
+        n = len(ctx) * self.positions
+        return c.linear_s("target", n) + c.attention_s("target", self.positions, sum(ctx) + n)
 
     def draft_step_s(self, ctx: Sequence[float]) -> float:
-        c = self.costs
+        """One draft forward: ``level_tokens`` per request over its windowed draft KV."""
+        c, t = self.costs, max(1.0, self.level_tokens)
         window = sum(self.policy.draft_tokens(x) for x in ctx)
-        return c.linear_s("draft", len(ctx)) + c.attention_s("draft", 1, window)
+        return c.linear_s("draft", len(ctx) * t) + c.attention_s("draft", t, window)
 
     def link_s(self, ctx: Sequence[float]) -> float:
+        """The requests' cold history over the link, with a copy's fixed cost per request
+        per layer (restore modes)."""
         c = self.costs
-        return sum(self.cold(x) for x in ctx) * c.kv_bytes("target") / c.link_bw
+        moving = [x for x in ctx if self.cold(x) > 0]
+        copies = len(moving) * c.layers("target") * c.link_copy_s
+        return sum(self.cold(x) for x in moving) * c.kv_bytes("target") / c.link_bw + copies
 
 
 Builder = Callable[[Graph, Batch], list[int]]
@@ -127,7 +159,7 @@ def _sequential(g: Graph, b: Batch) -> list[int]:
         for sub in _sub_batches(b, b.contexts):
             last = _restore_verify(g, b, sub, compute, link, round=r)
         marks.append(last)
-        for _ in range(b.q):
+        for _ in range(b.levels):
             _chain(g, compute, name="draft", resource="compute",
                    duration=b.draft_step_s(b.contexts), kind="draft", round=r)
     return marks
@@ -147,7 +179,7 @@ def _restore_all(g: Graph, b: Batch) -> list[int]:
             last = _chain(g, prev, name="verify", resource="compute", duration=b.verify_s(sub),
                           kind="verify", round=r)
         marks.append(last)
-        for _ in range(b.q):
+        for _ in range(b.levels):
             _chain(g, prev, name="draft", resource="compute",
                    duration=b.draft_step_s(b.contexts), kind="draft", round=r)
     return marks
@@ -166,7 +198,7 @@ def _parallel(g: Graph, b: Batch) -> list[int]:
     for r in range(b.policy.rounds):
         for gi, ctx in enumerate(groups):
             draft_prev = [verified[gi]] if gi in verified else []
-            for _ in range(b.q):
+            for _ in range(b.levels):
                 _chain(g, draft_prev, name="draft", resource="draft_gpu",
                        duration=b.draft_step_s(ctx), kind="draft", group=gi, round=r)
             drafted[gi] = draft_prev
@@ -183,30 +215,46 @@ def _specstream(g: Graph, b: Batch) -> list[int]:
     """Chunks stream layer by layer through the staging ring; each is verified as it lands
     (partial attention, LSE merge); the other group's drafts fill the compute gaps at low
     priority. Verification runs ``corun_slowdown`` slower for sharing the device."""
+    return _stream(g, b, gaps=True)
+
+
+@builder("specstream-sequential")
+def _specstream_sequential(g: Graph, b: Batch) -> list[int]:
+    """Streamed verification as specstream, one group, its drafts after it on the same
+    stream; a round's first copy waits for the step before it to end (the engine issues a
+    step's copies when the step starts)."""
+    return _stream(g, b, gaps=False)
+
+
+def _stream(g: Graph, b: Batch, gaps: bool) -> list[int]:
     p, c = b.policy, b.costs
     layers = c.layers("target")
-    slow = 1.0 + p.corun_slowdown
+    slow = 1.0 + p.corun_slowdown if gaps else 1.0
     link_prev: list[int] = []
     verify_prev: list[int] = []
     attn_ids: list[int] = []  # every chunk's attention, in link order: frees a staging slot
-    groups = b.groups(p.groups)
+    groups = b.groups(p.groups if gaps else 1)
     verified: dict[int, int] = {}
     marks = []
     for r in range(p.rounds):
         for gi, ctx in enumerate(groups):
             draft_prev = [verified[gi]] if gi in verified else []
-            for _ in range(b.q if r else 0):
-                step = b.draft_step_s(ctx) / c.layers("draft")
+            step = b.draft_step_s(ctx) / c.layers("draft")
+            for _ in range(b.levels if r and gaps else 0):
                 for _ in range(c.layers("draft")):
                     _chain(g, draft_prev, name="draft", resource="compute", duration=step,
                            kind="draft", group=gi, round=r, priority=1)
             cold = [b.cold(x) for x in ctx]
             chunk = max(p.chunk_tokens, math.ceil(max(cold) / MAX_CHUNKS))
             n_chunks = math.ceil(max(cold) / chunk)
-            n = len(ctx) * (b.q + 1)
+            # DMA copies per layer: one per request per (engine-sized) chunk, spread over the
+            # coarsened chunks in proportion to their tokens
+            copies = sum(math.ceil(x / p.chunk_tokens) for x in cold)
+            n = len(ctx) * b.positions
             lin = c.linear_s("target", n) / layers
             hot = sum(ctx) - sum(cold) + n
-            hot_attn = c.attention_s("target", b.q + 1, hot) / layers
+            hot_attn = c.attention_s("target", b.positions, hot) / layers
+            step_start = list(verify_prev) if not gaps else []
             for layer in range(layers):
                 _chain(g, verify_prev, name=f"L{layer} qkv+tail", resource="compute",
                        duration=(0.25 * lin + hot_attn) * slow, kind="verify", group=gi,
@@ -215,10 +263,13 @@ def _specstream(g: Graph, b: Batch) -> list[int]:
                     tokens = sum(min(chunk, max(0.0, x - k * chunk)) for x in cold)
                     free_slot = attn_ids[-p.staging_buffers:][:1] \
                         if len(attn_ids) >= p.staging_buffers else []
+                    if layer == 0 and k == 0:
+                        free_slot = [*free_slot, *step_start]
+                    copy_s = copies * tokens / sum(cold) * c.link_copy_s if sum(cold) else 0.0
                     link = _chain(g, link_prev, name=f"L{layer} c{k}", resource="link",
-                                  duration=tokens * c.kv_bytes("target") / layers / c.link_bw,
-                                  kind="link", group=gi, round=r, deps=free_slot)
-                    attn = c.attention_s("target", b.q + 1, tokens) / layers
+                                  duration=tokens * c.kv_bytes("target") / layers / c.link_bw
+                                  + copy_s, kind="link", group=gi, round=r, deps=free_slot)
+                    attn = c.attention_s("target", b.positions, tokens) / layers
                     attn_ids.append(_chain(g, verify_prev, name=f"L{layer} c{k} attn",
                                            resource="compute", duration=attn * slow,
                                            kind="verify", group=gi, round=r, deps=[link]))
@@ -227,4 +278,8 @@ def _specstream(g: Graph, b: Batch) -> list[int]:
                                       kind="verify", group=gi, round=r)
             if gi == 0:
                 marks.append(verified[gi])
+            if not gaps:  # the drafts for the next round, after the verification
+                for _ in range(b.levels):
+                    _chain(g, verify_prev, name="draft", resource="compute",
+                           duration=b.draft_step_s(ctx), kind="draft", group=gi, round=r)
     return marks

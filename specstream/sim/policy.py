@@ -15,11 +15,15 @@ MODES: tuple[str, ...] = ("resident", "offload", "offload-spec", "specstream", "
 # Ablations the engine has no mode for. offload-spec-restore-all: restore the whole history,
 # then verify, then draft, nothing overlapped (what many offloading systems do); the engine's
 # offload-spec restores layer by layer with the next layer prefetched. Same memory plan.
-ABLATIONS: tuple[str, ...] = ("offload-spec-restore-all",)
+# specstream-sequential: specstream's streamed verification with the drafts run after it on the
+# same stream, one group (the engine's specstream with drafting "sequential": the ladder's
+# "+ streaming" step). Same memory plan as specstream.
+ABLATIONS: tuple[str, ...] = ("offload-spec-restore-all", "specstream-sequential")
 OFFLOAD_MODES = frozenset({"offload", "offload-spec", "specstream", "parallel-spec", *ABLATIONS})
 SPEC_MODES = frozenset({"resident", "offload-spec", "specstream", "parallel-spec", *ABLATIONS})
 RESTORE_MODES = frozenset({"offload", "offload-spec", "parallel-spec",  # restore, not stream
-                           *ABLATIONS})
+                           "offload-spec-restore-all"})
+STREAM_MODES = frozenset({"specstream", "specstream-sequential"})  # chunks through staging
 RESIDENCIES: tuple[str, ...] = ("fill", "tail")
 
 

@@ -81,7 +81,8 @@ def replay(s: ReplaySetup, seed: int = 0, record: bool = False) -> ReplayRun:
     worker = FakeWorker(s.acceptance, np.random.default_rng(seed))
     params = SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True)
     for i, n in enumerate(s.prompts):
-        sched.add(Request(str(i), [TOKEN] * n, params))
+        # distinct prompts (as the bench's): no request shares a cached prefix with another
+        sched.add(Request(str(i), [TOKEN + 1 + i] * n, params))
     first: dict[str, float] = {}
     finish: dict[str, float] = {}
     now = link_busy = decode_time = 0.0

@@ -142,4 +142,13 @@ def describe(scenario: Scenario) -> str:
              else f"residency tail {p.resident_tail}, offload past {p.offload_threshold}")
     parts.append(f"  acceptance: {acc}; q={'auto ' + str(p.q_choices) if p.q is None else p.q}"
                  f"; chunk {p.chunk_tokens}, {place}, draft window {p.draft_window}")
+    levers = []
+    kv_dtype = getattr(scenario.costs, "kv_dtype_bytes", None)
+    if kv_dtype is not None:
+        levers.append(f"KV cache at {kv_dtype:g} B/element (target "
+                      f"{scenario.costs.kv_bytes('target') / 1024:.0f} KiB/token)")
+    if scenario.costs.link_copy_s:
+        levers.append(f"{scenario.costs.link_copy_s * 1e6:g} us per copy on the link")
+    if levers:
+        parts.append("  levers: " + "; ".join(levers))
     return "\n".join(parts)

@@ -10,6 +10,7 @@ from specstream.sim.events import Graph, Task, busy_time
 from specstream.sim.pipeline import BUILDERS, Batch
 from specstream.sim.policy import SimPolicy, check_mode
 from specstream.sim.workload import AcceptanceModel
+from specstream.spec.round_shape import AcceptanceEstimate, Shape, expected_tokens
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class RoundResult:
     link_bytes: float  # history bytes over the link per period (each request's cold KV once)
     tasks: tuple[Task, ...]  # the simulated tasks (for the timeline plot)
     window: tuple[float, float]  # the measured period [t0, t1] within ``tasks``
+    shape: Shape | None = None  # the round's shape when given as one (chains: None, q drafts)
 
     @property
     def tokens_per_s(self) -> float:
@@ -65,12 +67,25 @@ def _verify_wait(tasks: Sequence[Task], t0: float, t1: float) -> float:
 
 
 def simulate_round(mode: str, costs: Costs, policy: SimPolicy, contexts: Sequence[float],
-                   q: int, acceptance: AcceptanceModel) -> RoundResult:
-    """Simulate ``policy.rounds`` rounds of the batch and measure the steady state."""
+                   q: int, acceptance: AcceptanceModel, shape: Shape | None = None,
+                   estimate: AcceptanceEstimate | None = None) -> RoundResult:
+    """Simulate ``policy.rounds`` rounds of the batch and measure the steady state.
+
+    ``shape``: the round's shape (a chain or a token tree, the engine's ``Shape``) instead of a
+    chain of ``q``; its tokens per round are the engine's ``expected_tokens`` under
+    ``estimate`` (acceptance by rank), or ``acceptance`` for a chain without one."""
     check_mode(mode)
     if not contexts:
         raise ValueError("a round needs at least one request")
-    batch = Batch(costs, policy, tuple(float(c) for c in contexts), q, mode)
+    if shape is not None:
+        q = shape.num_nodes
+    batch = Batch(costs, policy, tuple(float(c) for c in contexts), q, mode, shape)
+    if shape is not None and (estimate is not None or shape.topk > 1):
+        if estimate is None:
+            raise ValueError("a token tree's tokens per round need acceptance by rank")
+        tokens = expected_tokens(shape, estimate)
+    else:
+        tokens = acceptance.expected_tokens(q)
     graph = Graph()
     marks = BUILDERS[mode](graph, batch)
     tasks = graph.run()
@@ -82,12 +97,12 @@ def simulate_round(mode: str, costs: Costs, policy: SimPolicy, contexts: Sequenc
     verify = sum(max(0.0, min(t.end, t1) - max(t.start, t0))
                  for t in tasks if t.kind == "verify")
     return RoundResult(
-        mode=mode, q=q, batch=len(contexts), tokens_per_round=acceptance.expected_tokens(q),
+        mode=mode, q=q, batch=len(contexts), tokens_per_round=tokens,
         period_s=period, link_s=busy_time(tasks, "link", t0, t1), verify_s=verify,
         draft_s=draft, verify_wait_s=_verify_wait(tasks, t0, t1),
         link_bytes=sum(batch.cold(c) for c in batch.contexts) * costs.kv_bytes("target"),
         tasks=tuple(tasks),
-        window=(t0, t1),
+        window=(t0, t1), shape=shape,
     )
 
 

@@ -21,6 +21,18 @@ piece is never hidden; each later one hides behind the compute of the piece befo
 ``wait = r + (units - 1) x max(0, r - c)`` with ``r = link / units`` and ``c`` the target
 compute (the draft part excluded) over ``units``. On the bench runs behind docs/simulator.md
 this puts the measured waits within ~20% without a fitted parameter.
+
+Drafting on a second worker (``parallel``, parallel-spec): the draft job runs on its own thread
+while the step verifies. On the CPU backend that thread is in the same process as the target's
+forward, and a small model's forward is mostly Python dispatch under the interpreter lock, so
+the draft does not overlap the target's compute: it overlaps the time the target thread sleeps
+waiting for history on the link. The step then pays ``max(0, draft - wait)`` of the draft on top
+of the target's compute and wait (``StepCost.concurrent_draft``), and the measured steps say so
+(``RoundStats.draft_s`` is the thread's own duration): on sim-calib-A, where the link rarely
+waits, the target thread's compute grows by ~0.8x the draft's time; on sim-calib-B, where it
+waits 20-70 ms, drafts of ~10 ms add little. The draft coefficients of such a mode are fitted on
+``draft_s``, the target's on ``compute_s`` less that exposed part. (A real second GPU would
+give ``max(target + wait, draft)``; the datacenter pipeline models that, ``pipeline.py``.)
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from specstream.config import MODES
 from specstream.engine.step import StepOutput, StepPlan
 from specstream.sim.calibrate import nnls
 
@@ -103,9 +116,13 @@ class StepCost:
     """Compute of one step of a mode, fitted on its measured steps; the link wait on top."""
 
     coef: tuple[float, ...]  # seconds per unit of each of FEATURES
+    # True: the draft part runs on its own thread during the step and hides behind the link
+    # wait only (``parallel`` drafting on the CPU backend; module docstring)
+    concurrent_draft: bool = False
 
     def compute_s(self, f: StepFeatures) -> tuple[float, float]:
-        """(compute, its draft part)."""
+        """(compute, its draft part), the draft part as long as it runs (not what it adds to
+        the step's wall when ``concurrent_draft``: ``seconds``)."""
         parts = [c * v for c, v in zip(self.coef, f.row(), strict=True)]
         return sum(parts), sum(parts[i] for i in DRAFT_COLUMNS)
 
@@ -121,7 +138,10 @@ class StepCost:
         """(wall, compute, link busy) of a step over a link of ``link_bw`` bytes/s."""
         compute, draft = self.compute_s(f)
         link = f.history_bytes / link_bw
-        wall = compute + self.wait_s(link, compute - draft, f.units) + f.writeback_bytes / link_bw
+        wait = self.wait_s(link, compute - draft, f.units)
+        if self.concurrent_draft:  # only the part of the draft the wait does not cover
+            compute = compute - draft + exposed_draft(draft, wait)
+        wall = compute + wait + f.writeback_bytes / link_bw
         return wall, compute, link + f.writeback_bytes / link_bw
 
     def describe(self) -> str:
@@ -133,6 +153,12 @@ class StepCost:
                  "per_draft_fed_token_s": ("us/token the draft caught up on", 1e6)}
         return " + ".join(f"{c * units[n][1]:.3g} {units[n][0]}"
                           for n, c in zip(FEATURES, self.coef, strict=True) if c > 1e-15)
+
+
+def exposed_draft(draft_s: float, wait_s: float) -> float:
+    """What a draft run on its own thread adds to a step that waits ``wait_s`` on the link
+    (``StepCost.concurrent_draft``)."""
+    return max(0.0, draft_s - wait_s)
 
 
 def _target(r: dict[str, Any], f: StepFeatures, link_bw: float) -> float:
@@ -147,13 +173,26 @@ def _target(r: dict[str, Any], f: StepFeatures, link_bw: float) -> float:
     return y
 
 
+def _concurrent(name: str, v: dict[str, Any]) -> bool:
+    """Whether a mode of a bench JSON drafts on a second worker (``parallel``)."""
+    drafting = v.get("drafting")
+    if drafting is None:
+        spec = MODES.get(name)
+        drafting = spec.drafting if spec is not None else "sequential"
+    return drafting == "parallel"
+
+
 def fit_modes(modes: dict[str, dict[str, Any]], link_bw: float) -> dict[str, StepCost]:
     """Step costs of every mode of a bench JSON (``modes``: name -> its ``rounds`` and
     ``prefill_steps``), fitted jointly: the target's forward (the ``SHARED`` columns) is the
     same code in every mode, so those coefficients are shared (five modes' steps pin them
     down: a prefill chunk costs the same whichever mode carries it); the constant and the
-    draft columns are the mode's own (its drafting strategy, its per-step overheads)."""
+    draft columns are the mode's own (its drafting strategy, its per-step overheads). A mode
+    that drafts on a second worker has its draft columns fitted on the measured draft time,
+    and only the part of it the wait does not cover taken off its compute (module docstring)."""
     names = [m for m, v in modes.items() if v.get("rounds")]
+    concurrent = {m for m in names if _concurrent(m, modes[m])}
+    drafts = {m: _fit_draft(modes[m]) for m in concurrent}
     own = [i for i in range(len(FEATURES)) if i not in SHARED]
     width = len(SHARED) + len(own) * len(names)
     rows, ys = [], []
@@ -162,12 +201,16 @@ def fit_modes(modes: dict[str, dict[str, Any]], link_bw: float) -> dict[str, Ste
         for r in list(v["rounds"]) + list(v.get("prefill_steps") or []):
             f = StepFeatures.of_record(r)
             full, row = f.row(), [0.0] * width
+            y = _target(r, f, link_bw)
+            if name in concurrent:  # the draft columns are fitted apart (_fit_draft)
+                y -= exposed_draft(float(r.get("draft_s", 0.0)), float(r.get("wait_s", 0.0)))
+                full = [0.0 if i in DRAFT_COLUMNS else x for i, x in enumerate(full)]
             for j, i in enumerate(SHARED):
                 row[j] = full[i]
             for j, i in enumerate(own):
                 row[len(SHARED) + k * len(own) + j] = full[i]
             rows.append(row)
-            ys.append(_target(r, f, link_bw))
+            ys.append(y)
     if not rows:
         raise ValueError("no measured steps to fit")
     x, y = np.array(rows, dtype=float), np.array(ys, dtype=float)
@@ -181,5 +224,21 @@ def fit_modes(modes: dict[str, dict[str, Any]], link_bw: float) -> dict[str, Ste
             coef[i] = float(c[j])
         for j, i in enumerate(own):
             coef[i] = float(c[len(SHARED) + k * len(own) + j])
-        out[name] = StepCost(tuple(coef))
+        if name in concurrent:
+            for i, x in zip(DRAFT_COLUMNS, drafts[name], strict=True):
+                coef[i] = x
+        out[name] = StepCost(tuple(coef), concurrent_draft=name in concurrent)
     return out
+
+
+def _fit_draft(v: dict[str, Any]) -> tuple[float, ...]:
+    """The draft columns of a mode, fitted on its steps' measured draft time (``draft_s``)."""
+    rows, ys = [], []
+    for r in list(v["rounds"]) + list(v.get("prefill_steps") or []):
+        full = StepFeatures.of_record(r).row()
+        rows.append([full[i] for i in DRAFT_COLUMNS])
+        ys.append(float(r.get("draft_s", 0.0)))
+    x, y = np.array(rows, dtype=float), np.array(ys, dtype=float)
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    return tuple(float(c) for c in nnls(x / scale, y) / scale)
