@@ -27,6 +27,8 @@ def main() -> None:
     ap.add_argument("mode")
     ap.add_argument("--link-gbps", type=float, default=None)
     ap.add_argument("--residency", default="fill")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the configurations this many times, one round after another")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     w = Workload((1024,) * 4, 96)
@@ -45,7 +47,7 @@ def main() -> None:
     configs.append(("auto, q <= 8", dict(draft, num_speculative_tokens=8,
                                          speculative_policy="auto")))
     rows = []
-    for name, extra in configs:
+    for name, extra in configs * args.repeat:
         llm = LLM(None, mode=args.mode, block_size=128, **kv, **extra)
         prompts = build_prompts(w, llm.tokenizer, llm.engine.model_config.vocab_size, seed=0)
         llm.generate([prompts[0][:64]], SamplingParams(temperature=0, max_tokens=4,

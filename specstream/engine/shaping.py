@@ -13,15 +13,15 @@ depth 0 (no speculation) to ``max_depth`` and, where token trees are allowed
 took). Pure Python: it sees numbers, never tensors.
 
 Probing and exploration: until a verified round has had drafts, rounds draft half the allowed
-depth (acceptance and draft cost); then, until a verified round has had none, rounds draft
-nothing (a second point for the verification line: its slope is what tells a compute-bound
-round, where every position costs, from a link-bound one); then the model decides. Steps that
-carry a prefill chunk teach acceptance and the draft's cost, not the verification line. While
-the choice is 0 nothing is drafted and nothing new is learnt about acceptance, so every
-``explore_every``-th decision drafts one token (the cheapest probe; the model extends a chain's
-acceptance by position from it). Probes and explorations draft for one request of the step only
-(``probing``): a request's first drafts make the draft prefill its window, which is wasted
-wherever speculation turns out not to pay.
+depth for one request (acceptance and the draft's cost); then the model decides. Steps that
+carry a prefill chunk teach acceptance, the link time and the draft's cost, not the
+verification line; while that line has points at one round size only, every query position is
+taken to cost alike (cautious where compute decides, moot where the link does). While the
+choice is 0 nothing is drafted and nothing new is learnt about acceptance, so every
+``explore_every``-th decision drafts one token for one request (the cheapest probe; it also
+gives the verification line a second size). Probes and explorations draft for one request of
+the step only (``probing``): a request's first drafts make the draft prefill its window, which
+is wasted wherever speculation turns out not to pay.
 
 Catching up: before drafting, a draft model feeds the tokens it has not seen (a request that
 never drafted: its sinks and window). The scheduler counts them per request, divided by the
@@ -61,6 +61,11 @@ class _LineFit:
         self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + x, d * self.sy + y
         self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
 
+    @property
+    def spread(self) -> bool:
+        """Points at more than one x."""
+        return self.n * self.sxx - self.sx**2 > 1e-12
+
     def coef(self) -> tuple[float, float]:
         if self.n == 0:
             return 0.0, 0.0
@@ -88,7 +93,7 @@ class RoundShaper:
     chosen_nodes: dict[int, int] = field(default_factory=dict)  # nodes -> rounds (trees too)
     probing: bool = False  # the last shape is a probe: one request of the step drafts it
     seen_drafts: bool = False  # a verification round with drafts was measured
-    seen_plain: bool = False  # ... and one without
+    link_seen: bool = False  # link_s holds a measurement
     exploring: bool = False  # ... one made while the choice is no speculation
     explore_share: float = 0.05  # of the time between explorations, the most one may cost
     # The draft's time per token it catches up on (tokens it has not seen, fed before its
@@ -124,12 +129,13 @@ class RoundShaper:
         draft tokens of each of its draft forwards and their time, per verified chain request
         (drafts, accepted), and per verified tree its walk ((children, rank taken) of each
         node reached)."""
+        if verified or tree_walks or query_tokens:  # it verified requests
+            self.link_s = 0.7 * self.link_s + 0.3 * link_s if self.link_seen else link_s
+            self.link_seen = True
+            self.seen_drafts = (self.seen_drafts or any(n for n, _ in verified)
+                                or any(tree_walks))
         if query_tokens:
-            self.link_s = 0.7 * self.link_s + 0.3 * link_s if self.decisions else link_s
             self.verify.add(query_tokens, verify_s)
-            drafted = any(n for n, _ in verified) or any(tree_walks)
-            self.seen_drafts, self.seen_plain = (self.seen_drafts or drafted,
-                                                 self.seen_plain or not drafted)
         if draft_steps:
             per = draft_s / len(draft_steps)
             for n in draft_steps:
@@ -195,6 +201,11 @@ class RoundShaper:
 
     def costs(self, catch_up: float = 0.0) -> RoundCosts:
         va, vb = self.verify.coef()
+        if self.verify.n and not self.verify.spread:
+            # rounds of one size so far: every query position costs alike (the cautious
+            # reading where compute decides, moot where the link does) until rounds of
+            # another size give the line its slope
+            va, vb = 0.0, va / (self.verify.sx / self.verify.n)
         da, db = self.draft.coef()
         return RoundCosts(link_s=self.link_s, verify_base_s=va, verify_per_position_s=vb,
                           draft_level_s=da, draft_per_node_s=db,
@@ -210,8 +221,6 @@ class RoundShaper:
         self.probing = self.exploring = False
         if not self.seen_drafts or self.draft.n == 0:
             pick, self.probing = Shape(max(1, self.max_depth // 2)), True
-        elif not self.seen_plain:
-            pick = Shape(0)
         else:
             pick = choose(self.candidates, max(1, num_requests), self.costs(catch_up),
                           self.acceptance, self.drafting)
