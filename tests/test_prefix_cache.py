@@ -86,10 +86,20 @@ def test_a_finished_request_leaves_its_full_blocks_and_allocations_take_them_bac
         assert d in kv.seqs["a"].device_blocks and h is not None
     kv.complete_writeback("a")
     kv.free("a", tokens)
-    assert (kv.device.num_cached, kv.host.num_cached) == (3, 3)
-    assert kv.device.num_used == 0 and kv.device.num_free == 6  # cached blocks are free
-    kv.allocate("b", 6 * BS)  # the whole device tier: the cache yields every block
-    assert kv.device.num_cached == 0 and kv.host.num_cached == 3
+    # an offloading mode caches its host copies (write-through made one of every full block)
+    assert (kv.device.num_cached, kv.host.num_cached) == (0, 3)
+    assert kv.host.num_used == 0 and kv.host.num_free == 6  # cached blocks are free
+    kv.allocate("b", 4 * BS)
+    kv.commit("b", 4 * BS)
+    kv.plan_writeback("b")  # four host blocks: the cache yields one
+    assert kv.host.num_cached == 2 and kv.host.num_free == 2
+    resident = KVManager(BS, 6, 0, OffloadPolicy(offload=False), prefix_caching=True)
+    resident.allocate("a", 12)
+    resident.commit("a", 12)
+    resident.free("a", list(range(12)))
+    assert resident.device.num_cached == 3 and resident.device.num_free == 6
+    resident.allocate("b", 6 * BS)  # the whole device tier: the cache yields every block
+    assert resident.device.num_cached == 0
 
 
 def test_a_hit_copies_the_cached_blocks_into_the_requests_own_host_blocks():
@@ -233,8 +243,8 @@ def test_seeded_sampling_is_the_same_with_and_without_the_cache(tiny_target, tin
 
 
 def test_the_cache_yields_every_block_to_requests(tiny_target):
-    """Finished requests fill both tiers with cached blocks; a request that needs nearly all
-    of them is admitted, runs and matches an engine without the cache."""
+    """Finished requests fill most of the host tier with cached blocks; a request that needs
+    nearly all of it is admitted, runs and matches an engine without the cache."""
     kw = dict(block_size=16, chunk_tokens=64, device_kv_bytes=600_000,
               host_kv_bytes=2_500_000, resident_tail_tokens=32, max_prefill_tokens=128)
     fillers = [_tokens(280, 10 + i) for i in range(4)]
@@ -242,7 +252,7 @@ def test_the_cache_yields_every_block_to_requests(tiny_target):
     llm = LLM(tiny_target, mode="specstream", proposer="ngram", **kw)
     _turns(llm, fillers)
     kv = llm.engine.kv
-    assert kv.host.num_cached > kv.host.num_blocks // 2 and kv.device.num_cached > 0
+    assert kv.host.num_cached > kv.host.num_blocks // 2
     got = _turns(llm, [big])
     m = llm.get_metrics()
     llm.close()
@@ -251,3 +261,23 @@ def test_the_cache_yields_every_block_to_requests(tiny_target):
     assert got == _turns(plain, [big])
     plain.close()
     assert m["prefix_cache_hits_total"] == 0  # nothing shared: the cache only gave room
+
+
+def test_resident_admission_waits_for_blocks_a_hit_pins(tiny_target):
+    """Resident mode takes a request's whole reservation at admission; blocks a hit of the
+    same step copies from cannot be taken back until the step ran, so the next request
+    waits a step instead of failing."""
+    context = _tokens(300)
+    llm = LLM(tiny_target, mode="resident", block_size=16, device_kv_bytes=1_670_000,
+              max_prefill_tokens=128)
+    assert llm.engine.kv.device.num_blocks == 50  # 19 cached, two requests of 21 each
+    first = _turns(llm, [context + _tokens(10, 8)])
+    both = llm.generate([context + _tokens(10, 9), _tokens(300, 10)], GREEDY, use_tqdm=False)
+    assert llm.get_metrics()["prefix_cache_hits_total"] == 18 * 16
+    llm.close()
+    plain = LLM(tiny_target, mode="resident", block_size=16, device_kv_bytes=1_670_000,
+                max_prefill_tokens=128, enable_prefix_caching=False)
+    assert _turns(plain, [context + _tokens(10, 8)]) == first
+    want = plain.generate([context + _tokens(10, 9), _tokens(300, 10)], GREEDY, use_tqdm=False)
+    plain.close()
+    assert [o.outputs[0].token_ids for o in both] == [o.outputs[0].token_ids for o in want]

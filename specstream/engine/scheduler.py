@@ -204,6 +204,8 @@ class Scheduler:
             if (self._reserved_device + r.device_total > limit
                     or self._reserved_host + r.host_blocks > self.kv.host.num_blocks):
                 break
+            if not self.kv.policy.offload and self.kv.device.num_free < r.device_blocks - 1:
+                break  # cached blocks a prefix hit of this step copies from: next step
             self.waiting.popleft()
             if not self.kv.policy.offload:
                 # resident: hold the whole reservation now, as one run of consecutive blocks

@@ -290,8 +290,11 @@ class KVManager:
         self.device.free(seq.promoting)
         self.host.free([h for _, h in seq.moving])  # write-backs that did not land
         if self.cache is not None and token_ids is not None:
+            # the cache keeps blocks in the tier the mode keeps history in: the device in
+            # resident mode, the host (where write-through put every full block) otherwise
             full = min(seq.num_tokens, len(token_ids)) // self.block_size
-            on_device = [device[i - seq.first] if seq.first <= i < seq.first + len(device)
+            on_device = [device[i - seq.first]
+                         if seq.first <= i < seq.first + len(device) and not self.policy.offload
                          else None for i in range(full)]
             on_host = [host[i] if i < len(host) else None for i in range(full)]
             taken = {b for b in on_device if b is not None}, {b for b in on_host if b is not None}
@@ -306,7 +309,7 @@ class KVManager:
         """A newly admitted request whose prompt starts with cached blocks takes copies of
         them as its own KV (at least its last prompt token is left to prefill): returns the
         tokens it need not prefill and the copies the next step makes first. Offloading
-        modes: the copies are host blocks (the request's cold history: it streams, or fills
+        modes: host copies of host blocks (the request's cold history: it streams, or fills
         the device window by promotion, like any other); resident: device blocks."""
         if self.cache is None:
             return 0, []
@@ -316,20 +319,19 @@ class KVManager:
         if seq.num_tokens or seq.host_blocks:
             return 0, []
         if p.offload:
-            hits = self.cache.lookup(prompt, max_blocks)
+            hits = self.cache.lookup(prompt, max_blocks, tiers=("host",))
             # as many as the host tier can take without the cached copies the hits read
-            while hits and len(hits) > self.host.num_free - sum(e.host is not None
-                                                                 for e in hits):
+            while hits and 2 * len(hits) > self.host.num_free:
                 hits.pop()
         else:  # resident: the blocks reserved at admission receive device copies
             hits = self.cache.lookup(prompt, min(max_blocks, len(seq.device_blocks)),
                                      tiers=("device",))
-        self.cache.record(len(prompt), ["host" if p.offload and e.host is not None else "device"
-                                        for e in hits])
+        self.cache.record(len(prompt), ["host" if p.offload else "device"] * len(hits))
         if not hits:
             return 0, []
-        sources = [_source(e, p.offload) for e in hits]
-        pins = [(e, "host" if kind == "h2h" else "device") for e, (kind, _) in zip(hits, sources)]
+        tier, kind = ("host", "h2h") if p.offload else ("device", "d2d")
+        sources = [e.block(tier) for e in hits]  # a lookup in that tier: never None
+        pins = [(e, tier) for e in hits]
         self.cache.pin(pins)  # before allocating: the allocation may reclaim cached blocks
         self._pinned += pins
         if p.offload:
@@ -338,7 +340,7 @@ class KVManager:
         else:
             dst = seq.device_blocks[: len(hits)]
         seq.num_tokens = len(hits) * bs
-        return seq.num_tokens, [(kind, src, d) for (kind, src), d in zip(sources, dst)]
+        return seq.num_tokens, [(kind, src, d) for src, d in zip(sources, dst) if src is not None]
 
     def release_pins(self) -> None:
         """The step that made the planned copies has run: their sources may be evicted."""
@@ -442,11 +444,3 @@ class KVManager:
             out.append(RestoreChunk(blocks, i * self.block_size, len(blocks) * self.block_size))
         return out
 
-
-def _source(e: Entry, to_host: bool) -> tuple[str, int]:
-    """How a hit's copy is made and from which cached block: to the host, from the cache's
-    host copy where it has one, else from its device copy; to the device, from the device."""
-    if to_host and e.host is not None:
-        return "h2h", e.host
-    assert e.device is not None, "a hit without a copy in the tier it was looked up in"
-    return ("d2h" if to_host else "d2d"), e.device

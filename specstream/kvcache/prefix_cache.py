@@ -14,13 +14,13 @@ conversation; document QA sends one long context with many questions).
   full blocks move into the cache without a copy (``insert``: the request needs them no
   more), and a hit copies cached blocks into the request's own blocks (the worker runs the
   copies at the start of the step, before anything reads or writes them). A hit is therefore
-  counted against the budgets exactly like blocks the request prefilled itself.
+  counted against the budgets exactly like blocks the request prefilled itself. The
+  ``KVManager`` caches in the tier its mode keeps history in: the device in ``resident`` mode,
+  the host in the offloading modes (write-through puts every full block there).
 - **Yielding**: cached blocks count as free in their allocator; an allocation that finds too
   few truly free blocks reclaims the least recently used cached copies of its tier
-  (``reclaim``). Device copies go first wherever the device needs room (the host usually holds
-  the same blocks: the write-through tier copies every full block there), host copies when the
-  host tier needs room. Entries a planned copy reads are pinned until the step that copies
-  them has run: nothing in use is ever evicted.
+  (``reclaim``), the deepest blocks of a prefix first. Entries a planned copy reads are pinned
+  until the step that copies them has run: nothing in use is ever evicted.
 """
 
 from __future__ import annotations
