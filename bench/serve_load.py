@@ -10,6 +10,21 @@ its message: a request either completes or is counted as an error, never lost.
     specstream serve --port 8000 &
     python bench/serve_load.py --concurrency 8 --duration 120 --prompt-len 512 \
         --output-len 64 --json load.json
+
+``--workload multiturn`` sends conversations instead (``specstream bench --workload multiturn``'s,
+specstream/bench/multiturn.py): ``--num-conversations`` of ``--turns`` turns, turn 1 a
+``--prompt-len`` context plus a ``--message-len`` user message, every later turn the previous
+prompt + the previous output + a new message, as token ids. Closed loop per conversation:
+``--concurrency`` conversations in flight, each sending its next turn when the previous one has
+finished. The server answers text, so a turn's output is re-encoded with ``--tokenizer`` (as a
+chat client's history is) and a later turn's prompt holds the server's output tokens exactly
+only where that text re-encodes to them; with ``--tokenizer none`` outputs are left out of the
+history. TTFT percentiles are reported per turn as well as overall, with the server's prefix
+cache counters over the run; for the cache's effect, run it against ``specstream serve`` and
+``specstream serve --no-prefix-caching``:
+
+    python bench/serve_load.py --workload multiturn --concurrency 4 --turns 4 \
+        --prompt-len 3584 --message-len 96 --output-len 64 --json multiturn.json
 """
 
 from __future__ import annotations
@@ -18,6 +33,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import sys
 import time
 from collections import Counter
@@ -36,6 +52,8 @@ class Result:
     ttft_s: float | None = None
     latency_s: float = 0.0
     error: str | None = None
+    text: str = ""  # the streamed completion
+    turn: int | None = None  # --workload multiturn: the turn's index in its conversation (0-based)
 
     @property
     def tpot_s(self) -> float | None:
@@ -58,6 +76,19 @@ class Summary:
     latency_ms: dict[str, float] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
     server: dict[str, float] = field(default_factory=dict)
+    # --workload multiturn: TTFT by turn ("1", "2", ...); the server's prefix cache over the run
+    ttft_ms_by_turn: dict[str, dict[str, float]] = field(default_factory=dict)
+    prefix_cache: dict[str, float] = field(default_factory=dict)
+
+
+def tokenizer_for(args: argparse.Namespace) -> Any:
+    """The tokenizer that cuts the prompts (None with --tokenizer none)."""
+    if args.tokenizer == "none":
+        return None
+    from specstream.llm import default_model_dir
+    from specstream.tokenizer import Tokenizer
+
+    return Tokenizer(args.tokenizer or default_model_dir("target"))
 
 
 def build_prompts(args: argparse.Namespace) -> list[list[int]]:
@@ -66,12 +97,7 @@ def build_prompts(args: argparse.Namespace) -> list[list[int]]:
     r = args.range_ratio
     lengths = tuple(max(1, int(args.prompt_len * rng.uniform(1 - r, 1 + r)))
                     for _ in range(args.num_prompts))
-    tok = None
-    if args.tokenizer != "none":
-        from specstream.llm import default_model_dir
-        from specstream.tokenizer import Tokenizer
-
-        tok = Tokenizer(args.tokenizer or default_model_dir("target"))
+    tok = tokenizer_for(args)
     try:
         from specstream.bench.workload import Workload
         from specstream.bench.workload import build_prompts as workload_prompts
@@ -109,8 +135,10 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace,
                 if "error" in chunk:
                     res.error = f"stream error: {chunk['error'].get('message')}"
                     return res
-                if chunk["choices"] and chunk["choices"][0]["text"] and res.ttft_s is None:
-                    res.ttft_s = time.perf_counter() - t0
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    if res.ttft_s is None:
+                        res.ttft_s = time.perf_counter() - t0
+                    res.text += chunk["choices"][0]["text"]
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
     except httpx.HTTPError as exc:
@@ -121,12 +149,21 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace,
     return res
 
 
-async def run(args: argparse.Namespace,
-              prompts: list[list[int]]) -> tuple[list[Result], float, dict[str, float]]:
-    """Send requests until --num-requests are sent or --duration has passed; wait for all."""
+def client_for(args: argparse.Namespace) -> httpx.AsyncClient:
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.timeout, connect=30.0)
+    return httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
+                             timeout=timeout)
+
+
+# what a run returns: every request's result, the run's seconds, and the server's metrics
+# before and after it
+Load = tuple[list[Result], float, dict[str, float], dict[str, float]]
+
+
+async def run(args: argparse.Namespace, prompts: list[list[int]]) -> Load:
+    """Send requests until --num-requests are sent or --duration has passed; wait for all."""
     results: list[Result] = []
     rng = np.random.default_rng(args.seed)
     sem = asyncio.Semaphore(args.concurrency or 1 << 30)
@@ -137,8 +174,9 @@ async def run(args: argparse.Namespace,
             return False
         return args.duration is None or time.perf_counter() - t_start < args.duration
 
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
-                                 timeout=timeout) as client:
+    async with client_for(args) as client:
+        before = await server_metrics(client)
+
         async def task(i: int) -> None:
             async with sem:
                 results.append(await one_request(client, args, prompts[i % len(prompts)], i))
@@ -160,11 +198,53 @@ async def run(args: argparse.Namespace,
                 await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
             await asyncio.gather(*tasks)
         server = await server_metrics(client)
-    return results, time.perf_counter() - t_start, server
+    return results, time.perf_counter() - t_start, before, server
+
+
+def build_conversations(args: argparse.Namespace, tok: Any) -> list[Any]:
+    """--workload multiturn: the bench's conversations (specstream/bench/multiturn.py)."""
+    from specstream.bench.multiturn import MultiTurnWorkload
+    from specstream.bench.multiturn import build_conversations as conversations
+
+    w = MultiTurnWorkload(args.num_conversations, args.turns, args.prompt_len,
+                          args.message_len, args.output_len)
+    return conversations(w, tok, args.vocab_size, args.seed)
+
+
+async def run_multiturn(args: argparse.Namespace, convs: list[Any], tok: Any) -> Load:
+    """Every conversation to its end, --concurrency of them in flight, each sending its next
+    turn when its previous one has finished (a failed turn ends its conversation). With
+    --duration, no conversation starts after it has passed."""
+    results: list[Result] = []
+    todo = iter(range(len(convs)))  # shared by the workers: each conversation goes to one
+    t_start = time.perf_counter()
+    async with client_for(args) as client:
+        before = await server_metrics(client)
+
+        async def worker() -> None:
+            for c in todo:
+                if args.duration is not None and time.perf_counter() - t_start >= args.duration:
+                    return
+                conv = convs[c]
+                while not conv.done:
+                    turn = len(conv.outputs)
+                    res = await one_request(client, args, conv.next_prompt(),
+                                            c * args.turns + turn)
+                    res.turn = turn
+                    results.append(res)
+                    if not res.ok:
+                        break
+                    conv.finish_turn(tok.encode(res.text, add_special_tokens=False)
+                                     if tok is not None else [])
+
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        server = await server_metrics(client)
+    return results, time.perf_counter() - t_start, before, server
 
 
 async def server_metrics(client: httpx.AsyncClient) -> dict[str, float]:
-    """A few gauges from the server's /metrics (empty if it has none)."""
+    """A few gauges from the server's /metrics (empty if it has none), and the prefix cache's
+    (by tier: ``prefix_cache_hits_total:device``)."""
     try:
         text = (await client.get("/metrics")).text
     except httpx.HTTPError:
@@ -175,12 +255,40 @@ async def server_metrics(client: httpx.AsyncClient) -> dict[str, float]:
     out = {}
     for line in text.splitlines():  # `name{model_name="..."} value`; these have no other label
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in keep and not line.startswith("#"):
+        if line.startswith("#"):
+            continue
+        if name in keep:
             out[name.removeprefix("specstream_")] = float(line.rsplit(" ", 1)[1])
+        elif name.startswith("specstream_prefix_cache_"):
+            tier = re.search(r'tier="([^"]*)"', line)
+            key = name.removeprefix("specstream_") + (f":{tier.group(1)}" if tier else "")
+            out[key] = float(line.rsplit(" ", 1)[1])
     return out
 
 
-def summarize(results: list[Result], duration: float, server: dict[str, float]) -> Summary:
+def prefix_cache(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The server's prefix cache over the run: prompt tokens looked up and found (by tier),
+    the hit rate, and the blocks it holds at the end (empty if the server has none)."""
+    if not any(k.startswith("prefix_cache_") for k in after):
+        return {}
+
+    def delta(k: str) -> float:
+        return after.get(k, 0.0) - before.get(k, 0.0)
+
+    # counters: `prefix_cache_queries_total`, `prefix_cache_hits_total:<tier>` (or unlabelled)
+    out = {"queries": sum(delta(k) for k in after if k.startswith("prefix_cache_queries"))}
+    hits = {k.partition(":")[2] or "all": delta(k) for k in after
+            if k.startswith("prefix_cache_hits")}
+    out.update({f"hits_{t}": v for t, v in hits.items() if t != "all"})
+    out["hits"] = sum(hits.values())
+    out["hit_rate"] = out["hits"] / out["queries"] if out["queries"] else 0.0
+    out.update({f"blocks_{k.split(':', 1)[1]}": v for k, v in after.items()
+                if k.startswith("prefix_cache_blocks:")})
+    return out
+
+
+def summarize(results: list[Result], duration: float, server: dict[str, float],
+              before: dict[str, float] | None = None) -> Summary:
     ok = [r for r in results if r.ok]
 
     def pct(values: list[float]) -> dict[str, float]:
@@ -201,6 +309,10 @@ def summarize(results: list[Result], duration: float, server: dict[str, float]) 
         latency_ms=pct([r.latency_s for r in ok]),
         errors=dict(Counter(r.error for r in results if not r.ok and r.error)),
         server=server,
+        ttft_ms_by_turn={str(t + 1): pct([r.ttft_s for r in ok
+                                          if r.turn == t and r.ttft_s is not None])
+                         for t in sorted({r.turn for r in ok if r.turn is not None})},
+        prefix_cache=prefix_cache(before or {}, server),
     )
 
 
@@ -209,9 +321,14 @@ def print_summary(s: Summary) -> None:
           f"in {s.duration_s:.1f} s")
     print(f"throughput: {s.request_throughput:.2f} req/s, {s.output_throughput:.1f} output "
           f"tok/s, {s.total_token_throughput:.1f} total tok/s")
-    for name, d in (("TTFT", s.ttft_ms), ("TPOT", s.tpot_ms), ("E2E", s.latency_ms)):
+    for name, d in (("TTFT", s.ttft_ms), ("TPOT", s.tpot_ms), ("E2E", s.latency_ms),
+                    *((f"TTFT turn {t}", d) for t, d in s.ttft_ms_by_turn.items())):
         if d:
             print(f"{name:5s} ms: " + "  ".join(f"{k} {v:.1f}" for k, v in d.items()))
+    if s.prefix_cache:
+        print("prefix cache: " + "  ".join(f"{k} {v:.3g}" if isinstance(v, float) and v < 1
+                                           else f"{k} {v:.0f}"
+                                           for k, v in s.prefix_cache.items()))
     for msg, n in s.errors.items():
         print(f"error x{n}: {msg}")
     if s.server:
@@ -222,6 +339,14 @@ def print_summary(s: Summary) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--workload", choices=["single", "multiturn"], default="single",
+                   help="single: independent prompts; multiturn: conversations re-sending "
+                        "their history every turn (closed loop per conversation)")
+    p.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
+    p.add_argument("--message-len", type=int, default=96,
+                   help="multiturn: tokens of each turn's user message")
+    p.add_argument("--num-conversations", type=int, default=None,
+                   help="multiturn: conversations (default: --concurrency)")
     p.add_argument("--model", default="specstream-default", help="model id the server serves")
     p.add_argument("--api-key", default=None)
     p.add_argument("--request-rate", type=float, default=None, help="Poisson requests/s")
@@ -229,7 +354,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests in flight (closed loop; with --request-rate: a cap)")
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--duration", type=float, default=None, help="seconds to keep sending")
-    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=256,
+                   help="prompt tokens (multiturn: the context opening every conversation)")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--range-ratio", type=float, default=0.0,
                    help="prompt lengths drawn from prompt_len * U(1-r, 1+r)")
@@ -248,6 +374,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the summary here ('-' for stdout)")
     args = p.parse_args(argv)
+    if args.workload == "multiturn":
+        if args.request_rate is not None or args.num_requests is not None:
+            p.error("--workload multiturn is a closed loop of --num-conversations "
+                    "conversations: use --concurrency, not --request-rate or --num-requests")
+        args.concurrency = args.concurrency or 8
+        args.num_conversations = args.num_conversations or args.concurrency
+        return args
     if args.request_rate is None and args.concurrency is None:
         args.concurrency = 8
     if args.num_requests is None and args.duration is None:
@@ -259,9 +392,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    prompts = build_prompts(args)
-    results, duration, server = asyncio.run(run(args, prompts))
-    summary = summarize(results, duration, server)
+    if args.workload == "multiturn":
+        tok = tokenizer_for(args)
+        load = asyncio.run(run_multiturn(args, build_conversations(args, tok), tok))
+    else:
+        load = asyncio.run(run(args, build_prompts(args)))
+    results, duration, before, server = load
+    summary = summarize(results, duration, server, before)
     print_summary(summary)
     if args.json:
         record: dict[str, Any] = {"args": vars(args), **asdict(summary)}

@@ -26,6 +26,11 @@ from specstream.bench.workload import Workload
 DEFAULT_LINK_GBPS = 1.0
 # Workloads (prompt tokens, requests, output tokens): the bench's, --quick's (about 2 minutes).
 WORKLOAD, QUICK_WORKLOAD = (4096, 8, 128), (2048, 6, 48)
+# --workload multiturn (context tokens, conversations, output tokens per turn), default and
+# --quick; with 4 turns of 96-token messages a default conversation ends at 4,224 tokens (its
+# last prompt 4,160), 99 MiB of KV for the four against the default 64 MiB device budget.
+MULTITURN_WORKLOAD, MULTITURN_QUICK = (3584, 4, 64), (1536, 4, 32)
+TURNS, MESSAGE_LEN = 4, 96
 
 # Presets (`--preset`): `balanced` is the defaults above. `link-bound` makes a decode round
 # link-bound the way an H200 with an 8B target over PCIe 5 is (25-50x): residency tail (every
@@ -62,15 +67,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto",
                    help="weights and KV dtype (auto: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--modes", default=",".join(ALL_MODES), help="comma-separated modes")
+    p.add_argument("--workload", choices=["single", "multiturn"], default="single",
+                   help="single: one long prompt per request; multiturn: conversations that "
+                        "re-send their whole history plus a new message every turn, run with "
+                        "the prefix cache on and off in every mode")
     p.add_argument("--context-len", type=int, default=None,
                    help=f"prompt tokens per request (default {WORKLOAD[0]}; "
-                        f"{SWEEP_WORKLOAD[0]} with --sweep-residency)")
+                        f"{SWEEP_WORKLOAD[0]} with --sweep-residency; multiturn: the context "
+                        f"opening every conversation, default {MULTITURN_WORKLOAD[0]})")
     p.add_argument("--num-requests", type=int, default=None,
                    help=f"requests in the workload (default {WORKLOAD[1]}; "
-                        f"{SWEEP_WORKLOAD[1]} with --sweep-residency)")
+                        f"{SWEEP_WORKLOAD[1]} with --sweep-residency; multiturn: "
+                        f"conversations, default {MULTITURN_WORKLOAD[1]})")
     p.add_argument("--output-len", type=int, default=None,
                    help=f"greedy output tokens per request (default {WORKLOAD[2]}; "
-                        f"{SWEEP_WORKLOAD[2]} with --sweep-residency)")
+                        f"{SWEEP_WORKLOAD[2]} with --sweep-residency; multiturn: per turn, "
+                        f"default {MULTITURN_WORKLOAD[2]})")
+    p.add_argument("--turns", type=int, default=TURNS,
+                   help="multiturn: turns per conversation")
+    p.add_argument("--message-len", type=int, default=MESSAGE_LEN,
+                   help="multiturn: tokens of each turn's user message")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="turn automatic prefix caching off in every run (multiturn: run only "
+                        "without the cache; by default it runs every mode with and without)")
     p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS,
                    help="emulated link bandwidth of the cpu backend, GB/s (ignored on cuda)")
     p.add_argument("--device-kv-bytes", type=float, default=64 << 20,
@@ -145,6 +164,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         block_size=args.block_size,
         resident_tail_tokens=args.resident_tail_tokens,
         offload_after_tokens=args.offload_after_tokens, residency=args.residency,
+        enable_prefix_caching=not args.no_prefix_caching,
         extra={"attention_backend": args.attention_backend},
     )
 
@@ -190,9 +210,12 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 def resolve_workload(args: argparse.Namespace) -> Workload:
     """The workload the flags ask for (unset sizes take the run's defaults); fills them in."""
+    multiturn = args.workload == "multiturn"
     if args.quick:
-        args.context_len, args.num_requests, args.output_len = QUICK_WORKLOAD
-    defaults = SWEEP_WORKLOAD if args.sweep_residency else WORKLOAD
+        args.context_len, args.num_requests, args.output_len = (
+            MULTITURN_QUICK if multiturn else QUICK_WORKLOAD)
+    defaults = (SWEEP_WORKLOAD if args.sweep_residency else
+                MULTITURN_WORKLOAD if multiturn else WORKLOAD)
     for name, default in zip(("context_len", "num_requests", "output_len"), defaults):
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -217,6 +240,10 @@ def apply_fraction(s: BenchSettings, workload: Workload, fraction: float) -> dic
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.workload == "multiturn" and (args.sweep or args.sweep_residency or args.ladder
+                                         or args.trace):
+        raise ValueError("--workload multiturn runs on its own: use it without --sweep, "
+                         "--sweep-residency, --ladder and --trace")
     if args.sweep and (args.sweep_residency or args.device_kv_fraction is not None):
         raise ValueError("--sweep sets its own workloads: use it without --sweep-residency "
                          "and --device-kv-fraction")
@@ -238,6 +265,8 @@ def run(args: argparse.Namespace) -> int:
             "settings": {**{k: v for k, v in vars(s).items() if k != "extra"}, **s.extra},
             **run_ladder(s, workload),
         }
+    elif args.workload == "multiturn":
+        report = run_multiturn_bench(args, s, modes)
     elif args.sweep:
         from specstream.bench.sweep import run_sweep
 
@@ -265,8 +294,8 @@ def run(args: argparse.Namespace) -> int:
         report = {
             "command": "specstream bench " + " ".join(_argv(args)),
             "machine": {"platform": platform.platform(), "python": platform.python_version()},
-            "workload": {"context_len": args.context_len, "num_requests": args.num_requests,
-                         "output_len": args.output_len},
+            "workload": {"workload": "single", "context_len": args.context_len,
+                         "num_requests": args.num_requests, "output_len": args.output_len},
             "settings": {**{k: v for k, v in vars(s).items() if k != "extra"}, **s.extra,
                          **budget},
             "modes": results,
@@ -279,8 +308,44 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_multiturn_bench(args: argparse.Namespace, s: BenchSettings,
+                        modes: tuple[str, ...]) -> dict[str, Any]:
+    """``--workload multiturn``: every mode with the prefix cache on and off; prints the
+    table and the ratios, returns the report."""
+    from specstream.bench.multiturn import (
+        CACHE_RUNS,
+        MultiTurnWorkload,
+        format_multiturn,
+        multiturn_ratios,
+        run_multiturn_all,
+    )
+
+    w = MultiTurnWorkload(args.num_requests, args.turns, args.context_len, args.message_len,
+                          args.output_len)
+    budget = ({} if args.device_kv_fraction is None
+              else apply_fraction(s, w.kv_workload(), args.device_kv_fraction))
+    results = run_multiturn_all(w, s, modes)
+    print(format_multiturn(results))
+    r = multiturn_ratios(results)
+    for k, v in r.items():
+        print(f"{k}: {v:.2f}")
+    return {
+        "command": "specstream bench " + " ".join(_argv(args)),
+        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        "workload": w.record(),
+        "settings": {**{k: v for k, v in vars(s).items() if k != "extra"}, **s.extra,
+                     "prefix_caching_runs": list(CACHE_RUNS if s.enable_prefix_caching
+                                                 else ("off",)), **budget},
+        "modes": results,
+        "ratios": r,
+    }
+
+
 def _argv(args: argparse.Namespace) -> list[str]:
     out = [] if args.modes == ",".join(ALL_MODES) else ["--modes", args.modes]
+    if args.workload != "single":
+        out += ["--workload", args.workload, "--turns", str(args.turns),
+                "--message-len", str(args.message_len)]
     for k in ("context_len", "num_requests", "output_len", "link_gbps", "device_kv_bytes",
               "num_speculative_tokens", "chunk_tokens", "staging_buffers", "wave_requests",
               "residency"):
@@ -303,4 +368,6 @@ def _argv(args: argparse.Namespace) -> list[str]:
         out.append("--ladder")
     if args.quick:
         out.append("--quick")
+    if args.no_prefix_caching:
+        out.append("--no-prefix-caching")
     return out

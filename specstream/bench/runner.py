@@ -55,6 +55,9 @@ class BenchSettings:
     residency: str = "fill"
     max_prefill_tokens: int = 1024
     max_num_seqs: int = 64
+    # Automatic prefix caching in every run (False: --no-prefix-caching). The multi-turn
+    # workload runs each mode both ways whatever this says, unless it is False.
+    enable_prefix_caching: bool = True
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -69,7 +72,7 @@ class BenchSettings:
                   wave_requests=self.wave_requests, resident_tail_tokens=self.resident_tail_tokens,
                   offload_after_tokens=self.offload_after_tokens, residency=self.residency,
                   max_prefill_tokens=self.max_prefill_tokens, max_num_seqs=self.max_num_seqs,
-                  seed=self.seed)
+                  enable_prefix_caching=self.enable_prefix_caching, seed=self.seed)
         kw.update(self.extra)
         if mode != "offload":
             kw.update(proposer="draft", num_speculative_tokens=self.num_speculative_tokens,
@@ -106,7 +109,7 @@ def _dtype_bytes(s: BenchSettings) -> int:
     return resolve_dtype(s.dtype, s.device).itemsize
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
     if len(values) == 1:
@@ -118,14 +121,20 @@ def run_mode(
     mode: str, workload: Workload, s: BenchSettings, trace: str | None = None
 ) -> tuple[dict[str, Any], list[list[int]], LLM]:
     """Run the workload in one mode; returns (metrics, greedy token ids, the LLM)."""
-    draft = s.draft_model or (str(default_model_dir("draft")) if s.model is None else None)
-    llm = LLM(s.model, draft_model=draft if mode != "offload" else None,
-              trace=trace is not None, **s.engine_kwargs(mode))
+    llm = open_llm(mode, s, trace=trace is not None)
     try:
         return _measure(llm, mode, workload, s, trace)
     except BaseException:
         llm.close()
         raise
+
+
+def open_llm(mode: str, s: BenchSettings, trace: bool = False) -> LLM:
+    """The engine of one mode's run: the settings' target, and its draft unless the mode
+    does not speculate (the embedded draft with the embedded target)."""
+    draft = s.draft_model or (str(default_model_dir("draft")) if s.model is None else None)
+    return LLM(s.model, draft_model=draft if mode != "offload" else None, trace=trace,
+               **s.engine_kwargs(mode))
 
 
 def _measure(
@@ -189,14 +198,14 @@ def _measure(
         "link_bytes_per_token": _per(d["decode_history_bytes"], n_out - len(outs)),
         "host_kv_peak_bytes": m["host_kv_peak_bytes"],
         "max_concurrency": m["max_concurrency"],
-        "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99),
-        "tpot_ms_p50": _pct(tpot, 50), "tpot_ms_p99": _pct(tpot, 99),
+        "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
+        "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99),
         "link_bytes_h2d": m["link_bytes_h2d"] - base["link_bytes_h2d"],
         "link_bytes_d2h": m["link_bytes_d2h"] - base["link_bytes_d2h"],
         "link_busy_s": m["link_busy_s"] - base["link_busy_s"],
         "prefill_only_time_s": m["prefill_only_time_s"] - base["prefill_only_time_s"],
         # the simulator's names for the same measurements (seconds, British spelling)
-        "ttft_s": _pct(ttft, 50) / 1e3, "tpot_s": _pct(tpot, 50) / 1e3,
+        "ttft_s": percentile(ttft, 50) / 1e3, "tpot_s": percentile(tpot, 50) / 1e3,
         "link_utilisation": decode_link / decode_t if decode_t else 0.0,
         "mean_round_s": sum(r.wall_s for r in rounds) / len(rounds) if rounds else 0.0,
         "acceptance_rate": m["acceptance_rate"],

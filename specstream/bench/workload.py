@@ -49,13 +49,19 @@ def build_prompts(
         g = torch.Generator().manual_seed(seed)
         return [torch.randint(0, vocab_size, (n,), generator=g).tolist()
                 for n in workload.context_lengths]
-    ids = tokenizer.encode(held_out_text(), add_special_tokens=False)
     need = max(workload.context_lengths)
-    while len(ids) < 2 * need:
-        ids = ids + ids
+    ids = held_out_ids(tokenizer, 2 * need)
     prompts = []
     stride = max(1, (len(ids) - need) // max(1, workload.num_requests))
     for i, n in enumerate(workload.context_lengths):
         start = (i * stride + seed * 997) % (len(ids) - n)
         prompts.append(ids[start : start + n])
     return prompts
+
+
+def held_out_ids(tokenizer: Tokenizer, min_len: int = 0) -> list[int]:
+    """The held-out text as token ids (no special tokens), repeated to at least ``min_len``."""
+    ids = tokenizer.encode(held_out_text(), add_special_tokens=False)
+    while len(ids) < min_len:
+        ids = ids + ids
+    return ids
