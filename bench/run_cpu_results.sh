@@ -29,3 +29,21 @@ specstream bench --sweep-residency --link-gbps 0.25 --context-len 4096 --num-req
     --output-len 128 --json "$out/residency-sweep.json" | tee "$out/residency-sweep.txt"
 # the engine's own host work per round, at the counts of a GPU workload
 python bench/host_overhead.py --json "$out/host-overhead.json" | tee "$out/host-overhead.txt"
+# the ablation ladder, link-bound; speculative_policy auto against fixed chains
+specstream bench --preset link-bound --ladder --json "$out/ladder-link-bound.json" \
+    | tee "$out/ladder-link-bound.txt"
+{
+    python bench/auto_vs_fixed.py resident --repeat 3
+    for args in "specstream --link-gbps 0.25 --residency tail" \
+            "offload-spec --link-gbps 0.25 --residency tail" "specstream --link-gbps 1.0" \
+            "offload-spec --link-gbps 1.0" "specstream --link-gbps 4.0" "offload-spec --link-gbps 4.0"; do
+        # shellcheck disable=SC2086
+        python bench/auto_vs_fixed.py $args
+    done
+} | tee "$out/auto-vs-fixed.txt"
+# multi-turn chat with and without the prefix cache (auto; then fixed, for acceptance)
+specstream bench --workload multiturn --json "$out/multiturn.json" | tee "$out/multiturn.txt"
+specstream bench --workload multiturn --modes resident,specstream --speculative-policy fixed \
+    --json "$out/multiturn-fixed.json" | tee "$out/multiturn-fixed.txt"
+specstream bench --workload multiturn --modes resident --device-kv-fraction 1.0 \
+    --json "$out/multiturn-resident-fits.json" | tee "$out/multiturn-resident-fits.txt"

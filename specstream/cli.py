@@ -237,16 +237,21 @@ def _summary(llm: Any, out: Any, m: dict[str, Any], wall: float) -> str:
         lines.append(f"  error         {comp.error}")
     how = {"none": "all KV on the device", "restore": "offloaded history restored layer by layer",
            "stream": f"offloaded history streamed in {cfg.chunk_tokens}-token chunks"}
-    spec = (f"{cfg.proposer} proposer, {cfg.q} draft tokens per round" if cfg.speculative
-            else "no speculation")
+    auto = cfg.speculative_policy == "auto"
+    spec = (f"{cfg.proposer} proposer, {'up to ' if auto else ''}{cfg.q} draft tokens per round"
+            if cfg.speculative else "no speculation")
     if cfg.tree:
-        spec = (f"{cfg.proposer} proposer, token trees {cfg.q} deep of up to "
-                f"{cfg.num_draft_tokens} nodes (top-{cfg.speculative_topk} children)")
+        spec = (f"{cfg.proposer} proposer, token trees {'up to ' if auto else ''}{cfg.q} deep "
+                f"of up to {cfg.num_draft_tokens} nodes (top-{cfg.speculative_topk} children)")
+    if auto:
+        spec += " (speculative_policy auto: each round's shape chosen from measurements)"
     lines.append(f"  mode          {cfg.mode}: {how[cfg.mode_spec.history]}; {spec}")
     if cfg.speculative:
+        chosen = ", ".join(f"{d}: {n}" for d, n in sorted(m["speculative_depth_chosen"].items()))
         lines.append(f"  speculation   {m['rounds']:.0f} rounds, mean accepted length "
                      f"{m['mean_accepted_len']:.2f} tokens per round, acceptance rate "
-                     f"{m['acceptance_rate']:.2f}")
+                     f"{m['acceptance_rate']:.2f}" + (f"; steps by depth chosen {{{chosen}}}"
+                                                      if chosen else ""))
     if cfg.tree:
         lines.append(f"  trees         {m['mean_tree_nodes_per_round']:.1f} nodes verified per "
                      f"round; accepted by depth {m['accepted_per_pos']}")
