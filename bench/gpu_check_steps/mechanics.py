@@ -37,6 +37,13 @@ SHAPES = {  # Qwen3-8B / Qwen3-0.6B layer shapes; tiny ones for the CPU dry run
 }
 
 
+def _raw_config(shape: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """The HF config.json of a Qwen3 model of ``shape``."""
+    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab,
+            "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+            "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": vocab - 1, **shape}
+
+
 def random_checkpoint(folder: Path, shape: dict[str, Any], vocab: int, device: str) -> Path:
     """An HF-format Qwen3 folder with random bf16 weights (reused if already there)."""
     from safetensors.torch import save_file
@@ -46,9 +53,7 @@ def random_checkpoint(folder: Path, shape: dict[str, Any], vocab: int, device: s
 
     if (folder / "model.safetensors").is_file():
         return folder
-    raw = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab,
-           "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-           "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": vocab - 1, **shape}
+    raw = _raw_config(shape, vocab)
     model = build_model(ModelConfig.from_dict(raw), torch.bfloat16, device)
     gen = torch.Generator(device).manual_seed(len(folder.name))
     tensors = {}
@@ -64,8 +69,9 @@ def random_checkpoint(folder: Path, shape: dict[str, Any], vocab: int, device: s
     return folder
 
 
-def _geometry(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, Any]:
-    """Block/chunk sizes, contexts and KV budgets: tails + staging fit, the history does not."""
+def _geometry(args: argparse.Namespace, shape: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """Block/chunk sizes, contexts and KV budgets: tails + staging fit, the history does not.
+    The budgets are the engine's own accounting (``_budgets``), not a copy of it."""
     g: dict[str, Any] = (
         dict(block_size=16, chunk_tokens=64, offload_after_tokens=64, resident_tail_tokens=32,
              max_prefill_tokens=128, contexts=[200, 100], decode_tokens=8, q=3)
@@ -75,22 +81,51 @@ def _geometry(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, Any]
              contexts=[32768, 16384, 32768, 16384], decode_tokens=32, q=4)
     )  # fmt: skip
     g["wave_requests"] = len(g["contexts"])  # a chunk wave can serve every request
-    layer_tok = 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2  # bf16 K+V, one layer
-    tok = layer_tok * shape["num_hidden_layers"]
-    bs, n = g["block_size"], len(g["contexts"])
-    steady = -(-(max(g["offload_after_tokens"], g["resident_tail_tokens"] + bs) + g["q"] + 1)
-               // bs) + 1
-    blocks = n * steady + -(-g["max_prefill_tokens"] // bs) + 3
-    hist = sum(g["contexts"]) + n * g["decode_tokens"]  # restore modes: the whole batch a step
-    ring = 2 * g["wave_requests"] * g["chunk_tokens"] * layer_tok  # 2 slots of one wave each
-    g["stream_kv_bytes"] = blocks * bs * tok + ring
-    g["restore_kv_bytes"] = 2 * max(blocks * bs * tok, 2 * hist * layer_tok)
-    total = sum(c + g["decode_tokens"] + bs for c in g["contexts"]) * tok
-    g["resident_kv_bytes"] = int(1.2 * total) + blocks * bs * tok
-    host_blocks = sum(-(-(c + g["decode_tokens"] + g["q"] + 1) // bs) + 1 for c in g["contexts"])
-    g["host_kv_bytes"] = 1 << (host_blocks * bs * tok - 1).bit_length()  # pinned: 2^k anyway
-    g["history_kv_bytes"] = total
+    g.update(_budgets(g, shape, vocab))
+    tok = 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2 * shape["num_hidden_layers"]
+    g["history_kv_bytes"] = sum(c + g["decode_tokens"] for c in g["contexts"]) * tok  # bf16
     return g
+
+
+def _budgets(g: dict[str, Any], shape: dict[str, Any], vocab: int) -> dict[str, int]:
+    """The least device KV budget that admits every request of ``g`` at once, per way of
+    moving history, from the engine's own accounting: its layout (blocks, the staging ring)
+    and what admission reserves (``Scheduler.reservation`` of each request, the prefill
+    scratch); so in the offloading modes the tails, staging and restore room fit and the
+    history does not. Host: every request's whole history, rounded up to a power of two."""
+    from specstream.config import EngineConfig
+    from specstream.engine.layout import RuntimeLayout
+    from specstream.engine.request import Request
+    from specstream.engine.scheduler import Scheduler
+    from specstream.models.config import ModelConfig
+    from specstream.sampling_params import SamplingParams
+
+    model = ModelConfig.from_dict(_raw_config(shape, vocab))
+    # a layout with room for everything (only its block size and staging ring are read)
+    room = 4 * (sum(g["contexts"]) + len(g["contexts"]) * g["decode_tokens"]) * (
+        model.kv_bytes_per_token(2)) + (1 << 30)
+    out: dict[str, int] = {}
+    for name, mode in (("resident", "resident"), ("stream", "specstream"),
+                       ("restore", "offload-spec")):
+        cfg = EngineConfig(
+            mode=mode, device_kv_bytes=room, block_size=g["block_size"],
+            chunk_tokens=g["chunk_tokens"], wave_requests=g["wave_requests"],
+            resident_tail_tokens=g["resident_tail_tokens"],
+            offload_after_tokens=g["offload_after_tokens"],
+            max_prefill_tokens=g["max_prefill_tokens"], max_num_seqs=len(g["contexts"]),
+            proposer="ngram", num_speculative_tokens=g["q"])  # the speculative modes' reserve
+        layout = RuntimeLayout.build(cfg, model, 2, frozenset())  # bf16 KV
+        sched = Scheduler.for_layout(cfg, layout)
+        params = SamplingParams(max_tokens=g["decode_tokens"])
+        reserved = [sched.reservation(Request(str(i), [0] * n, params))
+                    for i, n in enumerate(g["contexts"])]
+        blocks = sum(r.device_total for r in reserved) + sched.scratch_blocks
+        out[f"{name}_kv_bytes"] = layout.history_reserve_bytes + blocks * layout.block_bytes
+        if cfg.mode_spec.offload:
+            host = sum(r.host_blocks for r in reserved) * layout.block_bytes
+            out["host_kv_bytes"] = max(out.get("host_kv_bytes", 0),
+                                       1 << (host - 1).bit_length())  # pinned: 2^k anyway
+    return out
 
 
 def _parse(name: str, default_backend: str) -> tuple[str, str]:
@@ -225,7 +260,7 @@ def run_mechanics(args: argparse.Namespace) -> dict[str, Any]:
                                vocab, args.device)
     draft = random_checkpoint(args.work_dir / f"{prefix}draft", SHAPES[f"{prefix}draft"],
                               vocab, args.device)
-    g = _geometry(args, SHAPES[f"{prefix}target"])
+    g = _geometry(args, SHAPES[f"{prefix}target"], vocab)
     res: dict[str, Any] = {"geometry": g, "tf32": True, "checkpoint_s":
                            time.perf_counter() - start, "modes": {}}
     update(args.out, "mechanics", {**res, "status": "partial"})
