@@ -95,6 +95,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "history on the device as fits (equal shares) and streams the rest; "
                         "'tail' keeps only the resident tail and streams everything older "
                         f"(default: {_default('residency')})")
+    g.add_argument("--host-attention", choices=["off", "auto"], default=None,
+                   help="offloading modes: attend part of each request's cold history on the "
+                        "host CPU beside the link, the share that finishes with it ('auto'), "
+                        f"or not (default: {_default('host_attention')})")
+    g.add_argument("--host-attention-fraction", type=float, default=None,
+                   help="a fixed share (0-1) of each request's cold chunks attended on the "
+                        "host instead (for ablations)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=None,
                    help="do not keep finished requests' KV blocks for later prompts that start "

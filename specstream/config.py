@@ -97,6 +97,14 @@ class EngineConfig:
     # cached in both tiers (LRU, yielding to requests), and a request whose prompt starts with
     # cached blocks copies them instead of prefilling them (kvcache/prefix_cache.py).
     enable_prefix_caching: bool = True
+    # Attention over cold history on the host CPU (offloading modes): "off", or "auto" (each
+    # step gives the host the share of every request's cold chunks that the measured host
+    # attention rate and link rate finish together; engine/host_attention.py).
+    # host_attention_fraction fixes that share instead (for tests and ablations).
+    host_attention: str = "off"
+    host_attention_fraction: float | None = None
+    # Threads of the host attention worker (None: the cores the engine's two threads leave).
+    host_attention_threads: int | None = None
     # A request's history moves to the host once it passes this many tokens. None: derived
     # from the model by `default_offload_after` (a quarter of its context, at most 8192).
     offload_after_tokens: int | None = None
@@ -185,6 +193,7 @@ class EngineConfig:
             object.__setattr__(self, "speculative_policy",
                                "auto" if self.speculative else "fixed")
         self._check_policy()
+        self._check_host_attention()
         self._check_drafting()
         if self.draft_cache not in ("window", "full"):
             raise ValueError(f"draft_cache must be 'window' or 'full', got {self.draft_cache!r}")
@@ -229,6 +238,22 @@ class EngineConfig:
             raise ValueError(f"drafting={self.drafting!r} replaces a one-device speculative "
                              f"mode's drafting; mode {self.mode!r} with proposer "
                              f"{self.proposer!r} has none to replace")
+
+    def _check_host_attention(self) -> None:
+        if self.host_attention not in ("off", "auto"):
+            raise ValueError(f"host_attention must be 'off' or 'auto', got {self.host_attention!r}")
+        f = self.host_attention_fraction
+        if f is not None and not 0.0 <= f <= 1.0:
+            raise ValueError(f"host_attention_fraction must be in [0, 1], got {f}")
+        if self.host_attention_threads is not None and self.host_attention_threads < 1:
+            raise ValueError("host_attention_threads must be >= 1, got "
+                             f"{self.host_attention_threads}")
+
+    @property
+    def host_attends(self) -> bool:
+        """Some cold history may be attended on the host this run."""
+        return self.mode_spec.offload and (self.host_attention == "auto"
+                                            or bool(self.host_attention_fraction))
 
     def _check_policy(self) -> None:
         if self.speculative_policy not in ("auto", "fixed"):

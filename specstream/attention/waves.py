@@ -135,6 +135,11 @@ class WaveAttention(ABC):
     def result(self) -> Tensor:  # [R, P, H, D] in q's dtype
         """The merged attention of every wave added."""
 
+    def add_partial(self, out: Tensor, lse: Tensor, index: Tensor | None) -> None:
+        """A partial result computed elsewhere (host attention): ``out`` ``[W, P, H, D]`` and
+        ``lse`` ``[W, P, H]`` (fp32) of rows ``index`` (None: all R), over keys no wave has."""
+        self._keep(out.float(), lse.float(), index)
+
     def _keep(self, out: Tensor, lse: Tensor, index: Tensor | None) -> None:
         """Store a partial, spread over all R rows when the wave served a subset."""
         if index is not None:
@@ -178,6 +183,12 @@ class TorchWaves(WaveAttention):
             lse = torch.logsumexp(s, dim=-1)
             out = torch.matmul(torch.exp(s - finite_or_zero(lse).unsqueeze(-1)), vt)
         self._keep(out, lse, shape.index)
+
+    def add_partial(self, out: Tensor, lse: Tensor, index: Tensor | None) -> None:
+        w, p, kv, g, d = out.shape[0], self.num_q, self.num_kv_heads, self.group, self.head_dim
+        out = out.float().view(w, p, kv, g, d).permute(0, 2, 3, 1, 4).reshape(w, kv, g * p, d)
+        lse = lse.float().view(w, p, kv, g).permute(0, 2, 3, 1).reshape(w, kv, g * p)
+        self._keep(out, lse, index)
 
     def result(self) -> Tensor:
         out = merge(self.outs, self.lses)  # [R, kv, group * P, D]

@@ -16,6 +16,7 @@ from specstream.backends import limit_compute_threads, make_backend
 from specstream.config import EngineConfig
 from specstream.engine.drafting import DRAFTING, drafting_for
 from specstream.engine.history import make_source
+from specstream.engine.host_attention import HostAttention
 from specstream.engine.layout import RuntimeLayout
 from specstream.engine.request import CompletionOutput, Request, RequestError, RequestOutput
 from specstream.engine.scheduler import Scheduler
@@ -91,6 +92,8 @@ class LLMEngine:
         # per token, from the target's prefill)
         self._draft_share = (_num_params(self.proposer.model) / _num_params(self.model)
                              if isinstance(self.proposer, DraftModelProposer) else 0.0)
+        if config.host_attends:
+            self.worker.host = HostAttention(self.store, config.host_attention_threads)
         self._ids = itertools.count()
         self.stats = EngineStats(accepted_per_pos=[0] * max(1, config.q))
         # The newest decode steps, and steps that only prefilled (bounded: a server runs for
@@ -244,6 +247,8 @@ class LLMEngine:
         if not decode and not prefill_tokens:
             return  # nothing was done
         self.scheduler.note_step(self._link_rate(), compute if prefill_tokens else None)
+        if self.worker.host is not None:
+            self.scheduler.host_attention_bps = self.worker.host.rate
         shaper = self.scheduler.shaper
         if shaper is not None and prefill_tokens:
             shaper.prior_catch_up(compute / prefill_tokens * self._draft_share)
@@ -332,6 +337,10 @@ class LLMEngine:
             "prefix_cache_hits_total": cache.hits if cache else 0,
             "prefix_cache_hits_by_tier": dict(cache.hits_by_tier) if cache else {},
             "prefix_cache_blocks": {"device": dev.num_cached, "host": host.num_cached},
+            # host attention: KV bytes attended on the host CPU, its measured rate, the share
+            "host_attention_bytes": self.worker.host.bytes if self.worker.host else 0,
+            "host_attention_bytes_per_s": self.worker.host.rate if self.worker.host else 0.0,
+            "host_attention_share": self.scheduler.host_share,
             "device_kv_usage": dev.num_used / dev.num_blocks if dev.num_blocks else 0.0,
             "host_kv_usage": host.num_used / host.num_blocks if host.num_blocks else 0.0,
             "mode": self.config.mode,
@@ -347,6 +356,8 @@ class LLMEngine:
         return c
 
     def close(self) -> None:
+        if self.worker.host is not None:
+            self.worker.host.close()
         self.backend.close()
 
 

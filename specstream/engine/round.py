@@ -23,6 +23,7 @@ from specstream.attention.waves import WaveAttention
 from specstream.backends.base import upload
 from specstream.engine.attention import StepKV
 from specstream.engine.history import Gap, HistorySource
+from specstream.engine.host_attention import HostAttention
 from specstream.engine.step import StepPlan
 from specstream.kvcache.storage import KVStore
 from specstream.models.decoder import CausalLM
@@ -32,6 +33,7 @@ from specstream.models.decoder import CausalLM
 def run_round(
     model: CausalLM, plan: StepPlan, store: KVStore, history: HistorySource, gap: Gap | None,
     attention: type[WaveAttention], copies_issued: Callable[[], None] | None = None,
+    host: HostAttention | None = None,
 ) -> tuple[torch.Tensor, list[tuple[int, int]], dict[str, str]]:
     """Returns the final hidden states ``[num_tokens, hidden]``, each request's rows in them,
     and the requests whose history could not be restored (request id -> message).
@@ -44,6 +46,10 @@ def run_round(
     x, (cos, sin) = model.embed(ids_t, pos_t)
     kv = StepKV(plan, store)
     scale, kv_heads = store.cfg.head_dim**-0.5, store.cfg.num_kv_heads
+    # host attention: per bucket, its requests with history attended on the host
+    on_host = [[(w, plan.seqs[i].host_blocks) for w, i in enumerate(b.members)
+                if plan.seqs[i].host_blocks] for b in kv.buckets] if host is not None else []
+    rows = [torch.tensor([w for w, _ in m], device=device) for m in on_host]
     history.begin(plan, kv.groups)  # the first waves of cold history are in flight from here
     try:
         if copies_issued is not None:
@@ -51,13 +57,19 @@ def run_round(
         for layer, block in enumerate(model.layers):
             q, k, v = block.qkv(x, cos, sin)  # q [n, heads, D]; k, v [n, kv_heads, D]
             kv.write(layer, k, v)
-            atts = [attention(q[b.q_index].view(len(b.members), b.num_q, *q.shape[1:]),
-                              kv_heads, scale) for b in kv.buckets]
+            qs = [q[b.q_index].view(len(b.members), b.num_q, *q.shape[1:]) for b in kv.buckets]
+            atts = [attention(qb, kv_heads, scale) for qb in qs]
+            jobs = [(bucket, host.submit(layer, qs[bucket].index_select(0, rows[bucket]),
+                                         [blocks for _, blocks in m], scale))
+                    for bucket, m in enumerate(on_host) if m and host is not None]
             for bucket, hk, hv, shape in history.waves(layer, while_waiting=gap):
                 atts[bucket].add(hk, hv, shape)
             for bucket, att in enumerate(atts):
                 for wave in kv.tail(layer, bucket, k, v):
                     att.add(*wave)
+            for bucket, job in jobs:  # the host's share, merged like any wave
+                out_h, lse_h = job.result()
+                atts[bucket].add_partial(out_h.to(device), lse_h.to(device), rows[bucket])
             outs = [att.result().flatten(0, 1) for att in atts]  # [W * P, heads, D]
             out = (outs[0] if len(outs) == 1 else torch.cat(outs))[kv.out_index]
             x = block.finish(x, out)

@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
+from typing import Any
 
 from specstream.config import EngineConfig
 from specstream.engine.layout import RuntimeLayout
@@ -91,6 +92,7 @@ class Scheduler:
         self.history_token_bytes = history_token_bytes
         self._link_bps = 0.0
         self._chunk_s = 0.0
+        self.host_attention_bps = 0.0  # host_attention: the worker's measured rate
         # `fill`: what the step needs beyond the shares, counted by _rebalance before it
         # allocates anything: restore-mode room for its history (pool blocks lent to it) and
         # the decode rounds' new blocks
@@ -229,6 +231,27 @@ class Scheduler:
             self._chunk_s = (prefill_compute_s if not self._chunk_s
                              else 0.7 * self._chunk_s + 0.3 * prefill_compute_s)
 
+    def _host_split(self, chunks: tuple[tuple[int, ...], ...]) -> dict[str, Any]:
+        """A request's cold chunks: the oldest ``host_share`` of them attended on the host
+        (``host_blocks``), the rest over the link (``restore_chunks``)."""
+        n = int(self.host_share * len(chunks) + 1e-9) if chunks else 0
+        return {"host_blocks": tuple(b for c in chunks[:n] for b in c),
+                "restore_chunks": chunks[n:]}
+
+    @property
+    def host_share(self) -> float:
+        """The share of cold chunks attended on the host: the fixed host_attention_fraction;
+        under "auto", host rate / (host rate + link rate), so both finish together (a quarter
+        until the host rate is measured); 0 when off."""
+        cfg = self.config
+        if not cfg.host_attends:
+            return 0.0
+        if cfg.host_attention_fraction is not None:
+            return cfg.host_attention_fraction
+        if not (self.host_attention_bps and self._link_bps):
+            return 0.25
+        return self.host_attention_bps / (self.host_attention_bps + self._link_bps)
+
     def _chunk_hides_history(self) -> bool:
         """Whether a prefill chunk's compute hides streaming every decoding request's history
         (then a two-group step that carries one verifies them all; else the groups alternate
@@ -300,6 +323,8 @@ class Scheduler:
         for s in seqs:
             seq = kv.seqs[s.request_id]
             short = (seq.target or 0) - len(seq.device_blocks)
+            # only blocks that cross the link can be promoted on the way (not host-attended)
+            short = min(short, sum(len(c) for c in s.restore_chunks))
             if s.restore_chunks and short > 0:
                 self._free_up(short, keep=planned)
                 s = replace(s, promote=tuple(kv.plan_promotion(s.request_id, short)))
@@ -396,7 +421,7 @@ class Scheduler:
                 sample=sample,
                 host_tokens=seq.first * self.config.block_size,
                 device_blocks=tuple(seq.device_blocks),
-                restore_chunks=tuple(c.host_blocks for c in self.kv.restore_chunks(rid)),
+                **self._host_split(tuple(c.host_blocks for c in self.kv.restore_chunks(rid))),
                 params=req.params,
                 parents=parents,
             ))

@@ -32,7 +32,8 @@ class SeqWork:
     # device window) and the device blocks of the window (the rest, new tokens included).
     host_tokens: int
     device_blocks: tuple[int, ...]
-    # The host-read history as restore chunks of host block ids, oldest first.
+    # The host-read history that crosses the link, as restore chunks of host block ids, oldest
+    # first (the newest part of it when some is attended on the host).
     restore_chunks: tuple[tuple[int, ...], ...]
     params: SamplingParams = field(default_factory=SamplingParams)
     # `fill`: device blocks for the newest len(promote) host-read blocks; the step copies those
@@ -43,6 +44,9 @@ class SeqWork:
     # drafts take the KV slots after the root in draft order; their positions are the root's
     # plus their depth.
     parents: tuple[int, ...] = ()
+    # The oldest host-read blocks, attended on the host CPU instead of crossing the link
+    # (host_attention); restore_chunks then hold only the rest.
+    host_blocks: tuple[int, ...] = ()
 
     @property
     def is_tree(self) -> bool:

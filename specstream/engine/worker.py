@@ -29,6 +29,7 @@ from specstream.backends.base import (
 )
 from specstream.engine.drafting import Drafting
 from specstream.engine.history import HistorySource
+from specstream.engine.host_attention import HostAttention
 from specstream.engine.request import RequestError
 from specstream.engine.round import run_round
 from specstream.engine.step import DraftWork, SeqWork, StepOutput, StepPlan
@@ -72,6 +73,8 @@ class Worker:
         self.generators: dict[str, torch.Generator | None] = {}
         # [num_drafts, V] fp32 per request with pending sampled drafts (None: point masses)
         self.draft_probs: dict[str, torch.Tensor | None] = {}
+        # host_attention: the worker threads that attend SeqWork.host_blocks (None: off)
+        self.host: HostAttention | None = None
 
     # ---- the step -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -207,7 +210,7 @@ class Worker:
     def _forward_and_verify(self, plan: StepPlan, out: StepOutput) -> _Verdict | None:
         hidden, rows, failed = run_round(self.model, plan, self.store, self.history,
                                          self.drafting.gap, self.attention,
-                                         self.drafting.copies_issued)
+                                         self.drafting.copies_issued, self.host)
         out.errors.update(failed)
         # rows whose logits are needed: the last token and every draft of sampling requests
         sampled = [i for i, s in enumerate(plan.seqs) if s.sample and s.request_id not in

@@ -1,0 +1,85 @@
+"""Attention over cold history on the host CPU, beside the link (``host_attention``).
+
+A link-bound round spends its time moving history the device reads once; the host can read it
+where it lives. For the requests of a step with ``SeqWork.host_blocks`` (the oldest of their
+cold blocks, which then do not cross the link), each layer's query rows go to the host right
+after the layer's projection; worker threads compute the partial attention of those rows over
+those blocks, straight from the host tier (``KVStore.host``, no copy), as output and
+log-sum-exp per query row; the round merges them into the same online softmax as the streamed
+waves and the resident tail (``WaveAttention.add_partial``), exactly.
+
+The scheduler decides the split (``Scheduler._host_split``): a fixed share of every request's
+cold chunks (``host_attention_fraction``), or under ``host_attention="auto"`` the share that
+lets the host and the link finish together, from the link rate and the host attention rate
+this worker measures (bytes of KV attended per second of its busy time).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import Tensor
+
+from specstream.kvcache.storage import KVStore
+
+
+def default_threads() -> int:
+    """The cores the engine's compute and copy threads leave (at least one)."""
+    return max(1, (os.cpu_count() or 1) - 2)
+
+
+class HostAttention:
+    def __init__(self, store: KVStore, threads: int | None = None) -> None:
+        assert store.host is not None, "host attention needs a host tier"
+        self.store = store
+        self.pool = ThreadPoolExecutor(threads or default_threads(),
+                                       thread_name_prefix="host-attention")
+        self._lock = threading.Lock()
+        self.bytes = 0  # KV bytes attended on the host, since start
+        self.busy_s = 0.0  # worker time spent on them
+
+    @property
+    def rate(self) -> float:
+        """Host attention bytes/s measured so far (0: nothing measured)."""
+        return self.bytes / self.busy_s if self.busy_s else 0.0
+
+    def submit(self, layer: int, q: Tensor, blocks: list[tuple[int, ...]],
+               scale: float) -> Future[tuple[Tensor, Tensor]]:
+        """Partial attention of ``q`` (``[W, P, H, D]``, one request per row, any device) over
+        each request's host ``blocks`` of ``layer``: a future of (out ``[W, P, H, D]``, lse
+        ``[W, P, H]``), fp32 on the host."""
+        q_host = q.detach().to("cpu", torch.float32)
+        return self.pool.submit(self._run, layer, q_host, blocks, scale)
+
+    def _run(self, layer: int, q: Tensor, blocks: list[tuple[int, ...]],
+             scale: float) -> tuple[Tensor, Tensor]:
+        t0 = time.perf_counter()
+        host, cfg = self.store.host, self.store.cfg
+        assert host is not None
+        kv, d = cfg.num_kv_heads, cfg.head_dim
+        w, p, h, _ = q.shape
+        g = h // kv
+        outs, lses = [], []
+        nbytes = 0
+        for r in range(w):
+            idx = torch.tensor(blocks[r], dtype=torch.long)
+            k = host[layer, 0].index_select(0, idx).reshape(-1, kv, d).float()  # [N, kv, D]
+            v = host[layer, 1].index_select(0, idx).reshape(-1, kv, d).float()
+            nbytes += 2 * idx.numel() * self.store.block_size * kv * d * host.element_size()
+            qr = q[r].view(p, kv, g, d).permute(1, 2, 0, 3).reshape(kv, g * p, d)
+            s = torch.matmul(qr, k.permute(1, 2, 0)).mul_(scale)  # [kv, g * P, N]
+            lse = torch.logsumexp(s, dim=-1)  # [kv, g * P]
+            out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.permute(1, 0, 2))
+            outs.append(out.view(kv, g, p, d).permute(2, 0, 1, 3).reshape(p, h, d))
+            lses.append(lse.view(kv, g, p).permute(2, 0, 1).reshape(p, h))
+        with self._lock:
+            self.bytes += nbytes
+            self.busy_s += time.perf_counter() - t0
+        return torch.stack(outs), torch.stack(lses)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
