@@ -232,11 +232,18 @@ class Scheduler:
                              else 0.7 * self._chunk_s + 0.3 * prefill_compute_s)
 
     def _host_split(self, chunks: tuple[tuple[int, ...], ...]) -> dict[str, Any]:
-        """A request's cold chunks: the oldest ``host_share`` of them attended on the host
-        (``host_blocks``), the rest over the link (``restore_chunks``)."""
-        n = int(self.host_share * len(chunks) + 1e-9) if chunks else 0
-        return {"host_blocks": tuple(b for c in chunks[:n] for b in c),
-                "restore_chunks": chunks[n:]}
+        """A request's cold blocks: the oldest ``host_share`` of them attended on the host
+        (``host_blocks``), the rest over the link (``restore_chunks``, re-cut into chunks)."""
+        share = self.host_share if chunks else 0.0
+        if not share:
+            return {"host_blocks": (), "restore_chunks": chunks}
+        blocks = [b for c in chunks for b in c]
+        n = round(share * len(blocks))
+        per = max(1, self.config.chunk_tokens // self.config.block_size)
+        rest = blocks[n:]
+        return {"host_blocks": tuple(blocks[:n]),
+                "restore_chunks": tuple(tuple(rest[i : i + per])
+                                        for i in range(0, len(rest), per))}
 
     @property
     def host_share(self) -> float:
