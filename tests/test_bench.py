@@ -21,7 +21,10 @@ def test_bench_runs_every_mode_and_writes_json_and_trace(tiny_target, tiny_draft
                "--context-len", "400", "--num-requests", "4", "--output-len", "8",
                "--device-kv-bytes", "1600000", "--chunk-tokens", "128", "--block-size", "16",
                "--resident-tail-tokens", "128", "--offload-after-tokens", "128",
-               "--link-gbps", "2", "--json", str(out), "--trace", str(trace)])
+               "--link-gbps", "2", "--json", str(out), "--trace", str(trace),
+               # the same drafts in every mode (auto's depths follow measured times), so the
+               # floors below compare the same work
+               "--speculative-policy", "fixed"])
     assert rc == 0
     report = json.loads(out.read_text())
     modes = report["modes"]
