@@ -37,7 +37,8 @@ def test_main_job_json_figures(capsys):
     assert m["link_bytes_h2d"] > 0 and m["link_bytes_d2h"] > 0
     assert 0 < m["link_bytes_per_round"] <= 1.1 * m["link_bytes_floor_per_round"]
     assert m["host_kv_peak_bytes"] > 0
-    assert m["mean_accepted_len"] > 1.0  # drafts verified and accepted
+    # drafts were verified (auto always probes; how deep it then drafts depends on timing)
+    assert m["proposed_tokens"] > 0 and m["mean_accepted_len"] >= 1.0
 
 
 @pytest.mark.parametrize("argv, message", [
