@@ -74,7 +74,7 @@ def reference(tiny_target):
 @pytest.mark.parametrize("mode", ["offload", "stream", "offload-spec", "specstream",
                                   "parallel-spec"])
 @pytest.mark.parametrize("split", [dict(host_attention_fraction=0.5),
-                                   dict(host_attention="auto")])
+                                   dict(host_attention="auto", link_gbps=0.05)])
 def test_greedy_output_equals_target_only_with_host_attention(tiny_target, reference, mode,
                                                               split):
     spec = {} if mode in ("stream", "offload") else dict(proposer="ngram")
@@ -105,3 +105,36 @@ def test_host_attention_options_are_validated():
         EngineConfig(host_attention_fraction=1.5)
     assert not EngineConfig(mode="resident", host_attention="auto").host_attends
     assert EngineConfig(mode="stream", host_attention="auto").host_attends
+
+
+def test_auto_gives_the_host_nothing_where_the_round_is_compute_bound(tiny_target, reference):
+    """Copies at memory speed: streaming every cold block takes less than the round's
+    compute, so auto stops giving the host a share after the first decode round."""
+    llm = LLM(tiny_target, mode="specstream", proposer="ngram", host_attention="auto",
+              **{**OFFLOAD, "link_gbps": 1000.0})
+    got = [o.outputs[0].token_ids for o in llm.generate(_prompts((300, 420, 200)), GREEDY,
+                                                        use_tqdm=False)]
+    m = llm.get_metrics()
+    llm.close()
+    assert got == reference
+    assert m["host_attention_share"] == 0.0
+
+
+def test_the_bench_runs_host_attention_and_reports_its_rate(tiny_target, tiny_draft, tmp_path):
+    import json
+
+    from specstream.cli import main
+
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--model", str(tiny_target), "--draft-model", str(tiny_draft),
+               "--modes", "specstream", "--context-len", "300", "--num-requests", "2",
+               "--output-len", "8", "--device-kv-bytes", "900000", "--chunk-tokens", "128",
+               "--block-size", "16", "--resident-tail-tokens", "32", "--residency", "tail",
+               "--offload-after-tokens", "64", "--link-gbps", "0.05", "--host-attention",
+               "auto", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    m = report["modes"]["specstream"]
+    assert m["outputs_match_reference"] is True
+    assert m["host_attention_bytes"] > 0 and m["host_attention_bytes_per_s"] > 0
+    assert m["link_bytes_per_s"] == 0.05e9 and "--host-attention" in report["command"]

@@ -87,6 +87,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="multiturn: turns per conversation")
     p.add_argument("--message-len", type=int, default=MESSAGE_LEN,
                    help="multiturn: tokens of each turn's user message")
+    p.add_argument("--host-attention", choices=["off", "auto"], default="off",
+                   help="offloading modes: attend part of each request's cold history on the "
+                        "host CPU beside the link (auto), or not (default: off)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="turn automatic prefix caching off in every run (multiturn: run only "
                         "without the cache; by default it runs every mode with and without)")
@@ -164,7 +167,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         block_size=args.block_size,
         resident_tail_tokens=args.resident_tail_tokens,
         offload_after_tokens=args.offload_after_tokens, residency=args.residency,
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=not args.no_prefix_caching, host_attention=args.host_attention,
         extra={"attention_backend": args.attention_backend},
     )
 
@@ -358,6 +361,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
         out += ["--speculative-topk", str(args.speculative_topk)]
     if args.speculative_num_draft_tokens is not None:
         out += ["--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens)]
+    if args.host_attention != "off":
+        out += ["--host-attention", args.host_attention]
     if args.speculative_policy is not None:
         out += ["--speculative-policy", args.speculative_policy]
     if args.sweep_residency:

@@ -58,6 +58,8 @@ class BenchSettings:
     # Automatic prefix caching in every run (False: --no-prefix-caching). The multi-turn
     # workload runs each mode both ways whatever this says, unless it is False.
     enable_prefix_caching: bool = True
+    # Attention over cold history on the host CPU in the offloading modes ("off" | "auto").
+    host_attention: str = "off"
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -73,6 +75,8 @@ class BenchSettings:
                   offload_after_tokens=self.offload_after_tokens, residency=self.residency,
                   max_prefill_tokens=self.max_prefill_tokens, max_num_seqs=self.max_num_seqs,
                   enable_prefix_caching=self.enable_prefix_caching, seed=self.seed)
+        if mode != "resident" and self.host_attention != "off":
+            kw.update(host_attention=self.host_attention)
         kw.update(self.extra)
         if mode != "offload":
             kw.update(proposer="draft", num_speculative_tokens=self.num_speculative_tokens,
@@ -196,6 +200,11 @@ def _measure(
         # the same history bytes per token decoded (each request's first token comes from its
         # prefill): unlike per round, it does not grow with the requests a round batches
         "link_bytes_per_token": _per(d["decode_history_bytes"], n_out - len(outs)),
+        # host attention: the rate the host attended at in this run, next to the link's, and
+        # the KV bytes it attended
+        "host_attention_bytes_per_s": m.get("host_attention_bytes_per_s", 0.0),
+        "link_bytes_per_s": 1e9 * s.link_gbps if s.link_gbps else 0.0,
+        "host_attention_bytes": m.get("host_attention_bytes", 0),
         "host_kv_peak_bytes": m["host_kv_peak_bytes"],
         "max_concurrency": m["max_concurrency"],
         "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),

@@ -41,6 +41,7 @@ class HostAttention:
         self._lock = threading.Lock()
         self.bytes = 0  # KV bytes attended on the host, since start
         self.busy_s = 0.0  # worker time spent on them
+        self.wait_s = 0.0  # time the round waited for the host's partials (``collect``)
 
     @property
     def rate(self) -> float:
@@ -54,6 +55,13 @@ class HostAttention:
         ``[W, P, H]``), fp32 on the host."""
         q_host = q.detach().to("cpu", torch.float32)
         return self.pool.submit(self._run, layer, q_host, blocks, scale)
+
+    def collect(self, job: Future[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """A submitted job's partials, once done (the wait is counted in ``wait_s``)."""
+        t0 = time.perf_counter()
+        out = job.result()
+        self.wait_s += time.perf_counter() - t0
+        return out
 
     def _run(self, layer: int, q: Tensor, blocks: list[tuple[int, ...]],
              scale: float) -> tuple[Tensor, Tensor]:

@@ -94,6 +94,7 @@ class LLMEngine:
                              if isinstance(self.proposer, DraftModelProposer) else 0.0)
         if config.host_attends:
             self.worker.host = HostAttention(self.store, config.host_attention_threads)
+        self._host_wait_s = 0.0
         self._ids = itertools.count()
         self.stats = EngineStats(accepted_per_pos=[0] * max(1, config.q))
         # The newest decode steps, and steps that only prefilled (bounded: a server runs for
@@ -248,7 +249,7 @@ class LLMEngine:
             return  # nothing was done
         self.scheduler.note_step(self._link_rate(), compute if prefill_tokens else None)
         if self.worker.host is not None:
-            self.scheduler.host_attention_bps = self.worker.host.rate
+            self._note_host(plan, history, compute, decode and not prefill_tokens)
         shaper = self.scheduler.shaper
         if shaper is not None and prefill_tokens:
             shaper.prior_catch_up(compute / prefill_tokens * self._draft_share)
@@ -295,6 +296,19 @@ class LLMEngine:
         self.tracer.add("shape", f"depth {shape.depth} nodes {shape.num_nodes}", result.start,
                         result.start, depth=shape.depth, nodes=shape.num_nodes,
                         topk=shape.topk)
+
+    def _note_host(self, plan: StepPlan, streamed: int, compute: float, decode: bool) -> None:
+        """Host attention: its measured rate, and, after a decode round, whether the round is
+        link-bound, i.e. streaming all its cold history (what the host attended included)
+        would take longer than the device's compute (its wait for the host excluded): only
+        then does ``auto`` give the host a share."""
+        host = self.worker.host
+        assert host is not None
+        self.scheduler.host_attention_bps = host.rate
+        waited, self._host_wait_s = host.wait_s - self._host_wait_s, host.wait_s
+        cold = streamed + sum(len(s.host_blocks) for s in plan.seqs) * self.store.block_bytes
+        if decode and cold:  # (a step without cold history, e.g. drafts only, says nothing)
+            self.scheduler.host_pays = cold / self._link_rate() > compute - waited
 
     def _link_rate(self) -> float:
         """Bytes/s of the link: the emulated rate where one is set, else the measured one."""

@@ -68,7 +68,8 @@ def run_round(
                 for wave in kv.tail(layer, bucket, k, v):
                     att.add(*wave)
             for bucket, job in jobs:  # the host's share, merged like any wave
-                out_h, lse_h = job.result()
+                assert host is not None
+                out_h, lse_h = host.collect(job)
                 atts[bucket].add_partial(out_h.to(device), lse_h.to(device), rows[bucket])
             outs = [att.result().flatten(0, 1) for att in atts]  # [W * P, heads, D]
             out = (outs[0] if len(outs) == 1 else torch.cat(outs))[kv.out_index]

@@ -93,6 +93,8 @@ class Scheduler:
         self._link_bps = 0.0
         self._chunk_s = 0.0
         self.host_attention_bps = 0.0  # host_attention: the worker's measured rate
+        # ... and whether the last decode round was link-bound (auto: else no host share)
+        self.host_pays = True
         # `fill`: what the step needs beyond the shares, counted by _rebalance before it
         # allocates anything: restore-mode room for its history (pool blocks lent to it) and
         # the decode rounds' new blocks
@@ -247,14 +249,17 @@ class Scheduler:
 
     @property
     def host_share(self) -> float:
-        """The share of cold chunks attended on the host: the fixed host_attention_fraction;
+        """The share of cold blocks attended on the host: the fixed host_attention_fraction;
         under "auto", host rate / (host rate + link rate), so both finish together (a quarter
-        until the host rate is measured); 0 when off."""
+        until the host rate is measured), where the last decode round was link-bound, else
+        none; 0 when off."""
         cfg = self.config
         if not cfg.host_attends:
             return 0.0
         if cfg.host_attention_fraction is not None:
             return cfg.host_attention_fraction
+        if not self.host_pays:  # compute-bound: moving history off the link buys nothing
+            return 0.0
         if not (self.host_attention_bps and self._link_bps):
             return 0.25
         return self.host_attention_bps / (self.host_attention_bps + self._link_bps)
