@@ -8,7 +8,8 @@ import sys
 from dataclasses import fields, replace
 
 from specstream.sim.api import Scenario, simulate, sweep_contexts
-from specstream.sim.hardware import HARDWARE, get_hardware
+from specstream.sim.hardware import HARDWARE, HOST_ISAS, get_hardware
+from specstream.sim.host import HOST_ATTENTION
 from specstream.sim.model_profile import MODELS, get_model
 from specstream.sim.policy import MODES, OFFLOAD_MODES, RESIDENCIES, SimPolicy
 from specstream.sim.report import describe, residency_table, results_table, verdict
@@ -25,6 +26,8 @@ EPILOG = """examples:
   specstream simulate --context 32768 --concurrency 32 --compare-residency   # fill vs tail
   specstream simulate --hardware A100-80GB --target Qwen3-8B --concurrency 32 --ladder
   specstream simulate --ladder-table                # the ablation ladder of docs/simulator.md
+  specstream simulate --host-attention auto --gpus-per-host 4 --host-isa amx
+  specstream simulate --host-attention-table        # host attention, 1-8 GPUs per host
   specstream simulate --kv-dtype fp8 --link-copy-us 5  # levers: KV dtype, per-copy link cost
 """
 KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -53,6 +56,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     help="fixed cost per DMA copy on the link, microseconds: per request per "
                     "layer when restoring, per request per chunk per layer when streaming "
                     "(default 0)")
+    hw.add_argument("--host-gbps", type=float,
+                    help="host memory bandwidth, GB/s, shared by --gpus-per-host GPUs "
+                    "(default 430 on the PCIe 5 machines, 300 on the PCIe 4 ones)")
+    hw.add_argument("--host-isa", choices=HOST_ISAS,
+                    help="host attention kernel: avx512 (default) or amx")
+    hw.add_argument("--gpus-per-host", type=int,
+                    help="GPUs offloading through one host; they share its memory bandwidth "
+                    "and cores (default 1)")
     m = p.add_argument_group("models (built-in name or path to an HF config.json / checkpoint)")
     m.add_argument("--target", default="Qwen3-8B", help=f"built-ins: {', '.join(MODELS)}")
     m.add_argument("--draft", default="Qwen3-0.6B", help="draft model: a built-in name or a path")
@@ -84,6 +95,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    "request in the device memory left over (water-filled shares, at least the "
                    "tail) and streams only the rest; 'tail' keeps only the resident tail (the "
                    "paper's configuration) (default: fill)")
+    e.add_argument("--host-attention", choices=HOST_ATTENTION, default="off",
+                   help="streamed modes: 'auto' has the host CPU attend the share of the cold "
+                   "history that makes host and link finish together, where it pays "
+                   "(default: off)")
     e.add_argument("--draft-window", default="4096", help="draft KV tokens kept, or 'all'")
     e.add_argument("--corun-slowdown", type=float, default=0.05,
                    help="fraction of a round the co-running draft may cost the target")
@@ -113,6 +128,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     o.add_argument("--ladder-table", action="store_true",
                    help="the ladder for H200/A100 x Qwen3-8B/32B, InternLM2.5-7B at 32K "
                    "(the table of docs/simulator.md)")
+    o.add_argument("--host-attention-table", action="store_true",
+                   help="H200 + Qwen3-8B at 32K with 1/2/4/8 GPUs per host, chains vs trees, "
+                   "host attention off vs auto (the table of docs/simulator.md); --host-isa "
+                   "applies")
     o.add_argument("--compare-residency", action="store_true",
                    help="simulate the scenario with both residencies; print link bytes per "
                    "round and throughput per mode, tail against fill")
@@ -127,7 +146,9 @@ def _scenario(args: argparse.Namespace) -> Scenario:
              "matrix_flops": (args.tflops, tb), "layer_overhead_s": (args.layer_overhead_us,
                                                                       1e-6),
              "link_copy_s": (args.link_copy_us, 1e-6)}
-    hardware = get_hardware(args.hardware, args.pcie,
+    scale["host_bytes_per_s"] = (args.host_gbps, gb)
+    hardware = get_hardware(args.hardware, args.pcie, host_isa=args.host_isa,
+                            gpus_per_host=args.gpus_per_host,
                             **{k: v * s for k, (v, s) in scale.items() if v is not None})
     pairs = [x.split(":") for x in args.context.split(",") if x]
     contexts = tuple(int(float(x[0])) for x in pairs)
@@ -136,7 +157,7 @@ def _scenario(args: argparse.Namespace) -> Scenario:
         q=None if args.q == "auto" else int(args.q), chunk_tokens=args.chunk_tokens,
         staging_buffers=args.staging_buffers, resident_tail=args.resident_tail,
         offload_threshold=args.offload_threshold, corun_slowdown=args.corun_slowdown,
-        residency=args.residency,
+        residency=args.residency, host_attention=args.host_attention,
         draft_window=None if args.draft_window == "all" else int(args.draft_window))
     sc = Scenario.from_names(hardware, get_model(args.target), get_model(args.draft), contexts,
                              args.concurrency, args.alpha, args.output_len, policy=policy,
@@ -237,6 +258,11 @@ def run(args: argparse.Namespace) -> int:
         from specstream.sim.ladder import ladder_grid
 
         print(ladder_grid())
+        return 0
+    if args.host_attention_table:
+        from specstream.sim.host_table import host_table
+
+        print(host_table(args.host_isa or "avx512"))
         return 0
     sc = _scenario(args)
     modes = [x for x in args.modes.split(",") if x]

@@ -28,8 +28,9 @@ from specstream.engine.shaping import RoundShaper
 from specstream.sim.api import Scenario
 from specstream.sim.memory import max_concurrency
 from specstream.sim.pipeline import Batch
+from specstream.sim.policy import STREAM_MODES
 from specstream.sim.rounds import RoundResult, simulate_round
-from specstream.spec.round_shape import RoundCosts, Shape, choose
+from specstream.spec.round_shape import RoundCosts, Shape, choose, expected_tokens
 
 
 @dataclass(frozen=True)
@@ -90,12 +91,33 @@ def run_step(sc: Scenario, step: LadderStep, contexts: Sequence[float], alpha: f
     if step.adaptive:
         costs = round_costs(sc, step.mode, contexts, groups)
         n = len(Batch(sc.costs, sc.policy, tuple(contexts), 0, step.mode).groups(groups)[0])
-        shape = choose(shaper.candidates, n, costs, shaper.acceptance, step.drafting)
+        if sc.policy.host_attention == "auto" and step.mode in STREAM_MODES:
+            shape = _choose_with_host(sc, step, contexts, groups, shaper, costs)
+        else:
+            shape = choose(shaper.candidates, n, costs, shaper.acceptance, step.drafting)
     else:
         shape = Shape(step.max_depth)
     result = simulate_round(step.mode, sc.costs, sc.policy, contexts, shape.num_nodes,
                             sc.acceptance, shape=shape, estimate=shaper.acceptance)
     return LadderRow(step, shape, result)
+
+
+def _choose_with_host(sc: Scenario, step: LadderStep, contexts: Sequence[float], groups: int,
+                      shaper: RoundShaper, costs: RoundCosts) -> Shape:
+    """The shape and the split chosen together: every candidate's link time is the one its
+    split leaves (more query positions per KV row lower the host's rate), or all on the link
+    where that is faster (auto)."""
+    b = Batch(sc.costs, sc.policy, tuple(float(c) for c in contexts), 0, step.mode, host=True)
+    group = b.groups(groups)[0]
+    n = len(group)
+
+    def rate(s: Shape) -> tuple[float, int]:
+        link = min(costs.link_s, replace(b, q=s.num_nodes, shape=s).link_s(group))
+        t = replace(costs, link_s=link).round_s(s, n, step.drafting)
+        tokens = n * expected_tokens(s, shaper.acceptance)
+        return (tokens / t if t > 0 else float("inf"), -s.num_nodes)
+
+    return max(shaper.candidates, key=rate)
 
 
 def ladder_concurrency(sc: Scenario, limit: int = 32) -> int:

@@ -27,6 +27,7 @@ from typing import Any
 
 from specstream.sim.costs import Costs
 from specstream.sim.events import Graph, Task
+from specstream.sim.host import HostSplit, host_split
 from specstream.sim.memory import MemoryPlan, plan
 from specstream.sim.policy import SimPolicy, check_mode
 from specstream.spec.round_shape import Shape
@@ -44,6 +45,12 @@ class Batch:
     q: int  # drafts per request (a chain); a tree's node count when ``shape`` is one
     mode: str
     shape: Shape | None = None  # the engine's round shape (spec/round_shape.py); None: Shape(q)
+    host: bool = False  # streamed modes: the host attends its share of the cold history
+
+    @cached_property
+    def split(self) -> HostSplit:
+        """Link and host rates for this round's cold history (host rate 0 when not ``host``)."""
+        return host_split(self.costs, self.positions, self.host)
 
     @property
     def round_shape(self) -> Shape:
@@ -75,6 +82,17 @@ class Batch:
         """Tokens of a request's history that cross the link each round."""
         return self.policy.cold_tokens(self.mode, ctx, self.memory.share)
 
+    def link_cold(self, ctx: float) -> float:
+        """Tokens of the cold history that cross the link (the rest the host attends)."""
+        return self.cold(ctx) * (1.0 - self.split.share)
+
+    def host_s(self, ctx: Sequence[float]) -> float:
+        """The host's attention over its share of the requests' cold history, all layers."""
+        if not self.split.host_rate:
+            return 0.0
+        tokens = sum(self.cold(x) for x in ctx) * self.split.share
+        return tokens * self.costs.kv_bytes("target") / self.split.host_rate
+
     def groups(self, n: int) -> list[tuple[float, ...]]:
         """Split the requests round-robin into at most n non-empty groups."""
         n = max(1, min(n, len(self.contexts)))
@@ -93,12 +111,12 @@ class Batch:
         return c.linear_s("draft", len(ctx) * t) + c.attention_s("draft", t, window)
 
     def link_s(self, ctx: Sequence[float]) -> float:
-        """The requests' cold history over the link, with a copy's fixed cost per request
-        per layer (restore modes)."""
+        """The requests' cold history over the link (less the host's share), with a copy's
+        fixed cost per request per layer (restore modes)."""
         c = self.costs
-        moving = [x for x in ctx if self.cold(x) > 0]
+        moving = [x for x in ctx if self.link_cold(x) > 0]
         copies = len(moving) * c.layers("target") * c.link_copy_s
-        return sum(self.cold(x) for x in moving) * c.kv_bytes("target") / c.link_bw + copies
+        return sum(self.link_cold(x) for x in moving) * c.kv_bytes("target") / c.link_bw + copies
 
 
 Builder = Callable[[Graph, Batch], list[int]]
@@ -244,7 +262,8 @@ def _stream(g: Graph, b: Batch, gaps: bool) -> list[int]:
                 for _ in range(c.layers("draft")):
                     _chain(g, draft_prev, name="draft", resource="compute", duration=step,
                            kind="draft", group=gi, round=r, priority=1)
-            cold = [b.cold(x) for x in ctx]
+            cold = [b.link_cold(x) for x in ctx]  # what streams; the host attends the rest
+            host = b.host_s(ctx) / layers
             chunk = max(p.chunk_tokens, math.ceil(max(cold) / MAX_CHUNKS))
             n_chunks = math.ceil(max(cold) / chunk)
             # DMA copies per layer: one per request per (engine-sized) chunk, spread over the
@@ -252,13 +271,18 @@ def _stream(g: Graph, b: Batch, gaps: bool) -> list[int]:
             copies = sum(math.ceil(x / p.chunk_tokens) for x in cold)
             n = len(ctx) * b.positions
             lin = c.linear_s("target", n) / layers
-            hot = sum(ctx) - sum(cold) + n
+            hot = sum(ctx) - sum(b.cold(x) for x in ctx) + n
             hot_attn = c.attention_s("target", b.positions, hot) / layers
             step_start = list(verify_prev) if not gaps else []
             for layer in range(layers):
-                _chain(g, verify_prev, name=f"L{layer} qkv+tail", resource="compute",
-                       duration=(0.25 * lin + hot_attn) * slow, kind="verify", group=gi,
-                       round=r, deps=draft_prev if layer == 0 else [])
+                qkv = _chain(g, verify_prev, name=f"L{layer} qkv+tail", resource="compute",
+                             duration=(0.25 * lin + hot_attn) * slow, kind="verify", group=gi,
+                             round=r, deps=draft_prev if layer == 0 else [])
+                # the queries go down to the host after the projection; its partial results
+                # (output, lse per query row) merge before the MLP
+                attended = [g.add(Task(name=f"L{layer} host attn", resource="host",
+                                       duration=host, kind="host", deps=[qkv], group=gi,
+                                       round=r))] if host > 0 else []
                 for k in range(n_chunks):
                     tokens = sum(min(chunk, max(0.0, x - k * chunk)) for x in cold)
                     free_slot = attn_ids[-p.staging_buffers:][:1] \
@@ -273,7 +297,7 @@ def _stream(g: Graph, b: Batch, gaps: bool) -> list[int]:
                     attn_ids.append(_chain(g, verify_prev, name=f"L{layer} c{k} attn",
                                            resource="compute", duration=attn * slow,
                                            kind="verify", group=gi, round=r, deps=[link]))
-                verified[gi] = _chain(g, verify_prev, name=f"L{layer} merge+mlp",
+                verified[gi] = _chain(g, verify_prev, attended, name=f"L{layer} merge+mlp",
                                       resource="compute", duration=0.75 * lin * slow,
                                       kind="verify", group=gi, round=r)
             if gi == 0:

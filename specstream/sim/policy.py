@@ -47,6 +47,10 @@ class SimPolicy:
     groups: int = 2  # ping-pong groups (specstream, parallel-spec)
     rounds: int = 3  # rounds simulated per steady-state estimate (>= 2)
     context_bucket: int = 256  # round times are cached per context rounded to this
+    # streamed modes: "auto" has the host CPU attend the share of each request's cold history
+    # that makes the host and the link finish together (sim/host.py), where that is faster
+    # than streaming it all; "off" streams everything (as the engine's default)
+    host_attention: str = "off"
 
     def __post_init__(self) -> None:
         if self.q is not None and self.q < 0:
@@ -63,6 +67,9 @@ class SimPolicy:
             raise ValueError("corun_slowdown must be in [0, 1)")
         if self.groups < 1 or self.rounds < 2 or self.context_bucket < 1:
             raise ValueError("groups >= 1, rounds >= 2, context_bucket >= 1")
+        if self.host_attention not in ("off", "auto"):
+            raise ValueError(f"host_attention must be 'off' or 'auto', "
+                             f"got {self.host_attention!r}")
         if self.residency not in RESIDENCIES:
             raise ValueError(f"residency must be one of {', '.join(RESIDENCIES)}, "
                              f"got {self.residency!r}")

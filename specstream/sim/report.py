@@ -149,6 +149,9 @@ def describe(scenario: Scenario) -> str:
                       f"{scenario.costs.kv_bytes('target') / 1024:.0f} KiB/token)")
     if scenario.costs.link_copy_s:
         levers.append(f"{scenario.costs.link_copy_s * 1e6:g} us per copy on the link")
+    if p.host_attention != "off" and scenario.hardware is not None:
+        levers.append(f"host attention {p.host_attention} "
+                      f"({scenario.hardware.describe_host()}, assumed)")
     if levers:
         parts.append("  levers: " + "; ".join(levers))
     return "\n".join(parts)

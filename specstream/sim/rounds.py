@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specstream.sim.costs import Costs
 from specstream.sim.events import Graph, Task, busy_time
 from specstream.sim.pipeline import BUILDERS, Batch
-from specstream.sim.policy import SimPolicy, check_mode
+from specstream.sim.policy import STREAM_MODES, SimPolicy, check_mode
 from specstream.sim.workload import AcceptanceModel
 from specstream.spec.round_shape import AcceptanceEstimate, Shape, expected_tokens
 
@@ -30,6 +30,10 @@ class RoundResult:
     tasks: tuple[Task, ...]  # the simulated tasks (for the timeline plot)
     window: tuple[float, float]  # the measured period [t0, t1] within ``tasks``
     shape: Shape | None = None  # the round's shape when given as one (chains: None, q drafts)
+    host_s: float = 0.0  # host attention busy time within one period (0: host attention off)
+    host_bytes: float = 0.0  # cold history bytes the host attends per period
+    host_share: float = 0.0  # the split: fraction of each request's cold history on the host
+    host_rate: float = 0.0  # bytes/s the host attends at (sim/host.py)
 
     @property
     def tokens_per_s(self) -> float:
@@ -80,6 +84,18 @@ def simulate_round(mode: str, costs: Costs, policy: SimPolicy, contexts: Sequenc
     if shape is not None:
         q = shape.num_nodes
     batch = Batch(costs, policy, tuple(float(c) for c in contexts), q, mode, shape)
+    if policy.host_attention == "auto" and mode in STREAM_MODES:
+        split = replace(batch, host=True)
+        if split.split.host_rate > 0:  # auto: host attention only where it pays
+            off, on = _run(batch, acceptance, estimate), _run(split, acceptance, estimate)
+            return on if on.period_s < off.period_s else off
+    return _run(batch, acceptance, estimate)
+
+
+def _run(batch: Batch, acceptance: AcceptanceModel,
+         estimate: AcceptanceEstimate | None) -> RoundResult:
+    mode, q, shape, contexts, costs = batch.mode, batch.q, batch.shape, batch.contexts, \
+        batch.costs
     if shape is not None and (estimate is not None or shape.topk > 1):
         if estimate is None:
             raise ValueError("a token tree's tokens per round need acceptance by rank")
@@ -100,9 +116,13 @@ def simulate_round(mode: str, costs: Costs, policy: SimPolicy, contexts: Sequenc
         mode=mode, q=q, batch=len(contexts), tokens_per_round=tokens,
         period_s=period, link_s=busy_time(tasks, "link", t0, t1), verify_s=verify,
         draft_s=draft, verify_wait_s=_verify_wait(tasks, t0, t1),
-        link_bytes=sum(batch.cold(c) for c in batch.contexts) * costs.kv_bytes("target"),
+        link_bytes=sum(batch.link_cold(c) for c in contexts) * costs.kv_bytes("target"),
         tasks=tuple(tasks),
         window=(t0, t1), shape=shape,
+        host_s=busy_time(tasks, "host", t0, t1),
+        host_bytes=sum(batch.cold(c) for c in contexts) * batch.split.share
+        * costs.kv_bytes("target"),
+        host_share=batch.split.share, host_rate=batch.split.host_rate,
     )
 
 
