@@ -74,7 +74,7 @@ def reference(tiny_target):
 @pytest.mark.parametrize("mode", ["offload", "stream", "offload-spec", "specstream",
                                   "parallel-spec"])
 @pytest.mark.parametrize("split", [dict(host_attention_fraction=0.5),
-                                   dict(host_attention="auto", link_gbps=0.05)])
+                                   dict(host_attention="auto", link_gbps=0.01)])
 def test_greedy_output_equals_target_only_with_host_attention(tiny_target, reference, mode,
                                                               split):
     spec = {} if mode in ("stream", "offload") else dict(proposer="ngram")
