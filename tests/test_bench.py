@@ -100,6 +100,7 @@ def test_ladder_runs_every_step_exactly_and_the_preset_sets_the_link(tiny_target
     assert all(r["outputs_match_reference"] for r in rows)
     # the preset: tail residency over a 0.1 GB/s link, 64 output tokens
     assert report["settings"]["link_gbps"] == 0.1 and report["settings"]["residency"] == "tail"
+    assert report["settings"]["staging_buffers"] == 4
     assert report["workload"]["output_len"] == 64
     # the auto steps chose shapes (which ones depends on measured times; with the target
     # drafting for itself only first candidates are accepted, so once the policy has learnt

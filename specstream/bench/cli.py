@@ -37,10 +37,15 @@ TURNS, MESSAGE_LEN = 4, 96
 # token past a request's 256-token tail streams, the paper's configuration) over a 0.1 GB/s
 # link: a specstream round of four 4K-token requests streams 4 x 3,840 tokens x 6 KiB = 94 MB,
 # 0.94 s, against 35-45 ms of verification on one CPU thread (21-27x). 64 output tokens keep
-# a run of every step near a minute.
+# a run of every step near a minute. Four staging slots (of two-request waves): a step that
+# carries a prefill chunk computes a layer for about as long as that layer's history takes to
+# stream, and with two slots only half of the next layer's waves could land meanwhile (the
+# ladder's tree step: 1.30x end to end with two, 1.40x with four); four slots of one layer are
+# still under a third of the two layers of history the restore modes hold.
 PRESETS: dict[str, dict[str, Any]] = {
     "balanced": {},
-    "link-bound": {"link_gbps": 0.1, "residency": "tail", "output_len": 64},
+    "link-bound": {"link_gbps": 0.1, "residency": "tail", "output_len": 64,
+                   "staging_buffers": 4},
 }
 
 COLUMNS = [
@@ -141,8 +146,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="balanced: the defaults; link-bound: residency tail over a 0.1 GB/s link "
                         "and 64 output tokens, a round's link time 21-27x its verification, "
-                        "as on an H200 with an 8B target (overrides --link-gbps, --residency "
-                        "and --output-len; default: none)")
+                        "as on an H200 with an 8B target, four staging slots (overrides "
+                        "--link-gbps, --residency, --output-len and --staging-buffers; default: "
+                        "none)")
     p.add_argument("--ladder", action="store_true",
                    help="the ablation ladder: offload-spec (q = 4) -> + streaming -> + drafting "
                         "in the gaps -> + adaptive chain -> + trees, one run each")
