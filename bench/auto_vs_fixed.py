@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from typing import Any
 
 from specstream import LLM, SamplingParams
+from specstream.bench.runner import timed_generate
 from specstream.bench.workload import Workload, build_prompts
 from specstream.llm import default_model_dir
 
@@ -50,14 +50,8 @@ def main() -> None:
     for name, extra in configs * args.repeat:
         llm = LLM(None, mode=args.mode, block_size=128, **kv, **extra)
         prompts = build_prompts(w, llm.tokenizer, llm.engine.model_config.vocab_size, seed=0)
-        llm.generate([prompts[0][:64]], SamplingParams(temperature=0, max_tokens=4,
-                                                        ignore_eos=True), use_tqdm=False)
-        llm.engine.rounds.clear()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - t0
+        outs, wall, _, m = timed_generate(llm, prompts, params)
         pure = [r for r in llm.engine.rounds if not r.prefill_tokens]
-        m = llm.get_metrics()
         row = {"config": name,
                "output_tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall,
                "decode_only_tokens_per_s": sum(r.new_tokens for r in pure)

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from typing import Any
 
 from specstream import LLM, SamplingParams
+from specstream.bench.runner import timed_generate
 from specstream.bench.workload import Workload, build_prompts
 from specstream.llm import default_model_dir
 
@@ -39,19 +39,15 @@ def main() -> None:
                       host_attention=host)
             prompts = build_prompts(w, llm.tokenizer, llm.engine.model_config.vocab_size,
                                     seed=0)
-            llm.generate([prompts[0][:64]], SamplingParams(temperature=0, max_tokens=4,
-                                                            ignore_eos=True), use_tqdm=False)
-            llm.engine.rounds.clear()
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            wall = time.perf_counter() - t0
+            outs, wall, base, m = timed_generate(llm, prompts, params)
             pure = [r for r in llm.engine.rounds if not r.prefill_tokens]
-            m = llm.get_metrics()
             decode_s = sum(r.wall_s for r in pure)
             link_bps = args.link_gbps * 1e9
             host_bps = m["host_attention_bytes_per_s"]
-            cold = (m["decode_history_bytes"] / max(1, m["verify_steps"])
-                    + m["host_attention_bytes"] / max(1, m["verify_steps"]))
+            # cold bytes per verification round of the measured run: streamed + host-attended
+            rounds = max(1, m["verify_steps"] - base["verify_steps"])
+            cold = (m["decode_history_bytes"] - base["decode_history_bytes"]
+                    + m["host_attention_bytes"] - base["host_attention_bytes"]) / rounds
             row = {"mode": mode, "host_attention": host,
                    "output_tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall,
                    "decode_only_tokens_per_s": sum(r.new_tokens for r in pure)

@@ -141,21 +141,28 @@ def open_llm(mode: str, s: BenchSettings, trace: bool = False) -> LLM:
                **s.engine_kwargs(mode))
 
 
+def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams
+                   ) -> tuple[list[Any], float, dict[str, Any], dict[str, Any]]:
+    """A measured run: a short warm-up (not measured), then ``prompts`` at once. Returns the
+    outputs, the wall time, and the engine's metrics before and after the measured run (its
+    round and prefill-step records then hold that run only)."""
+    llm.generate([prompts[0][:64]], SamplingParams(temperature=0, max_tokens=4,
+                                                    ignore_eos=True), use_tqdm=False)
+    base = llm.get_metrics()
+    llm.engine.rounds.clear()
+    llm.engine.prefill_steps.clear()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return outs, time.perf_counter() - t0, base, llm.get_metrics()
+
+
 def _measure(
     llm: LLM, mode: str, workload: Workload, s: BenchSettings, trace: str | None
 ) -> tuple[dict[str, Any], list[list[int]], LLM]:
     vocab = llm.engine.model_config.vocab_size
     prompts = build_prompts(workload, llm.tokenizer, vocab, seed=s.seed)
     params = SamplingParams(temperature=0, max_tokens=workload.output_len, ignore_eos=True)
-    llm.generate([prompts[0][:64]], SamplingParams(temperature=0, max_tokens=4,
-                                                    ignore_eos=True), use_tqdm=False)  # warm-up
-    base = llm.get_metrics()
-    llm.engine.rounds.clear()
-    llm.engine.prefill_steps.clear()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    m = llm.get_metrics()
+    outs, wall, base, m = timed_generate(llm, prompts, params)
     tokens = [o.outputs[0].token_ids for o in outs]
     n_out = sum(len(t) for t in tokens)
     devices = llm.config.mode_spec.devices
