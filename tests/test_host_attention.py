@@ -13,6 +13,7 @@ from specstream import LLM, SamplingParams
 from specstream.attention.reference import full_attention
 from specstream.attention.waves import ATTENTION, WaveShape
 from specstream.config import EngineConfig
+from specstream.engine.host_split import split_for_host, transfer_s
 from specstream.engine.scheduler import Scheduler
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -90,12 +91,65 @@ def test_greedy_output_equals_target_only_with_host_attention(tiny_target, refer
 
 def test_a_split_that_changes_every_step_stays_exact(tiny_target, reference, monkeypatch):
     shares = itertools.cycle([0.0, 1.0, 0.5, 0.25, 0.75])
-    monkeypatch.setattr(Scheduler, "host_share", property(lambda self: next(shares)))
+
+    def counts(self, seqs, blocks):
+        share = next(shares)
+        return [round(share * n) for n in blocks]
+
+    monkeypatch.setattr(Scheduler, "_host_counts", counts)
     llm = LLM(tiny_target, mode="specstream", proposer="ngram", host_attention="auto", **OFFLOAD)
     got = [o.outputs[0].token_ids for o in llm.generate(_prompts((300, 420, 200)), GREEDY,
                                                         use_tqdm=False)]
     llm.close()
     assert got == reference
+
+
+@pytest.mark.parametrize("mode", ["offload", "stream", "offload-spec", "specstream",
+                                  "parallel-spec"])
+@pytest.mark.parametrize("residency", ["tail", "fill"])
+def test_a_split_that_changes_from_layer_to_layer_stays_exact(tiny_target, reference,
+                                                              monkeypatch, mode, residency):
+    """Each layer attends a different number of each request's oldest cold blocks on the host
+    (none in some layers, all in others), changing from step to step too; the rest of each
+    layer streams or is restored (under fill, promoted on the way)."""
+    import specstream.engine.scheduler as sched
+
+    steps = itertools.count()
+
+    def pattern(blocks, layers):
+        n, t = int(blocks), next(steps)
+        return tuple((layer * 3 + t) % (n + 1) for layer in range(layers))
+
+    monkeypatch.setattr(sched, "by_layer", pattern)
+    monkeypatch.setattr(Scheduler, "_host_counts",
+                        lambda self, seqs, blocks: [0.7 * n for n in blocks])
+    promote, promoted = Scheduler._promote, []
+
+    def count(self, seqs):  # steps whose promotions pass by a layer-by-layer split
+        out = promote(self, seqs)
+        promoted.extend(s.request_id for s in out if s.promote and s.host_layers)
+        return out
+
+    monkeypatch.setattr(Scheduler, "_promote", count)
+    spec = {} if mode in ("stream", "offload") else dict(proposer="ngram")
+    llm = LLM(tiny_target, mode=mode, host_attention="auto",
+              **{**OFFLOAD, "residency": residency, "device_kv_bytes": 900_000}, **spec)
+    # the short request ends first: under fill the others' shares grow (promotions)
+    params = [GREEDY, GREEDY, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)]
+    got = [o.outputs[0].token_ids for o in llm.generate(_prompts((300, 420, 200)), params,
+                                                        use_tqdm=False)]
+    llm.close()
+    assert got == [*reference[:2], reference[2][:4]]
+    assert bool(promoted) == (residency == "fill")
+
+
+def test_a_fractional_share_alternates_between_block_counts_by_layer():
+    from specstream.engine.host_split import by_layer
+
+    assert by_layer(3.0, 6) == (3,) * 6
+    split = by_layer(2.5, 6)
+    assert set(split) == {2, 3} and sum(split) == 15
+    assert sum(by_layer(0.2, 6)) == 1 and by_layer(0.0, 4) == (0, 0, 0, 0)
 
 
 def test_host_attention_options_are_validated():
@@ -138,3 +192,37 @@ def test_the_bench_runs_host_attention_and_reports_its_rate(tiny_target, tiny_dr
     assert m["outputs_match_reference"] is True
     assert m["host_attention_bytes"] > 0 and m["host_attention_bytes_per_s"] > 0
     assert m["link_bytes_per_s"] == 0.05e9 and "--host-attention" in report["command"]
+
+
+def test_the_split_lets_link_and_host_finish_together():
+    """Cheapest bytes first (fewest query positions), until the host's time (its idle device
+    time included) meets the link's; what is left of the link then matches."""
+    block, link = 1000, 1e6  # 1 ms a block over the link
+    # request 0 verifies (host 0.1 ms a block), request 1 prefills (host 2 ms a block)
+    counts = split_for_host([200, 40], [1e-7, 2e-6], block, link, serial_s=0.15)
+    assert 0 < counts[0] < 200 and counts[1] == 0  # the prefill chunk's stays on the link
+    link_s = (240 - counts[0]) * block / link
+    host_s = 0.15 + counts[0] * block * 1e-7
+    assert abs(link_s - host_s) <= block * (1 / link + 1e-7)
+    # a faster host takes all of the cheap request and some of the other
+    counts = split_for_host([40, 40], [1e-7, 2e-6], block, link, serial_s=0.011)
+    assert counts[0] == 40 and 0 < counts[1] < 40
+    # a host that is idle for longer than the link takes gets nothing
+    assert split_for_host([10], [1e-7], block, link, serial_s=0.02) == [0]
+    # transfer_s: the same balance as a time, never worse than the link alone
+    t = transfer_s(240 * block, link, 1e-7, 0.15)
+    assert t == pytest.approx(host_s, abs=1e-3) and t < 240 * block / link
+    assert transfer_s(10 * block, link, 1e-7, 0.02) == 10 * block / link
+    assert transfer_s(10 * block, link, 0.0, 0.0) == 10 * block / link
+
+
+def test_host_cost_grows_with_query_positions_and_trees_pay_for_it():
+    """The worker's cost per byte is a line in query positions per request; the round-shape
+    cost model puts it in the round's history time, so a tree's positions cost host time."""
+    from specstream.spec.round_shape import RoundCosts, Shape
+
+    costs = RoundCosts(link_s=1.0, cold_bytes=1e8, link_bps=1e8, host_s_per_byte=1e-10,
+                       host_s_per_byte_per_position=1e-10, host_serial_s=0.0)
+    chain, tree = Shape(2), Shape(4, topk=4, nodes=32)
+    assert costs.history_s(chain, 1) < costs.history_s(tree, 1) < 1.0
+    assert RoundCosts(link_s=1.0).history_s(tree, 1) == 1.0  # no host: the link's time

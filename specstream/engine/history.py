@@ -116,9 +116,9 @@ class LayerRestore(HistorySource):
         super().begin(plan, buckets)
         self.offsets: list[int] = []
         total = 0
-        for s in plan.seqs:
+        for s in plan.seqs:  # each request's slots: room for its largest layer
             self.offsets.append(total)
-            total += sum(len(c) for c in s.restore_chunks)
+            total += s.max_link_blocks
         self.total_blocks = total
         self.slots = plan.restore_blocks
         self.handles: dict[int, list[list[TransferHandle]]] = {}
@@ -131,7 +131,7 @@ class LayerRestore(HistorySource):
     def _runs(self, layer: int, index: int) -> list[tuple[int, int, int, int]]:
         """Where request ``index``'s history of ``layer`` lives: runs of (first history block,
         length, layer plane, first pool block), consecutive pool blocks within one plane."""
-        n = sum(len(c) for c in self.plan.seqs[index].restore_chunks)
+        n = len(self._blocks(layer, index))
         m, slot0 = len(self.slots), (layer % 2) * self.total_blocks + self.offsets[index]
         runs, t = [], 0
         while t < n:
@@ -144,12 +144,17 @@ class LayerRestore(HistorySource):
             t += length
         return runs
 
+    def _blocks(self, layer: int, index: int) -> tuple[int, ...]:
+        """The history blocks of request ``index`` that ``layer`` restores."""
+        s = self.plan.seqs[index]
+        return tuple(b for c in s.layer_chunks(layer, max(1, len(s.host_blocks))) for b in c)
+
     def _issue(self, layer: int) -> None:
         if layer >= self.store.cfg.num_layers or not self.total_blocks:
             return
         per_seq = []
         for i, s in enumerate(self.plan.seqs):
-            blocks = tuple(b for c in s.restore_chunks for b in c)
+            blocks = self._blocks(layer, i)
             handles = []
             for t, length, plane, first in self._runs(layer, i):
                 dst = self.store.device[plane, :, first : first + length]
@@ -193,7 +198,7 @@ class LayerRestore(HistorySource):
         for i, seq in enumerate(self.plan.seqs):
             if not seq.promote or seq.request_id in self.failed:
                 continue
-            n = sum(len(c) for c in seq.restore_chunks)
+            n = len(self._blocks(layer, i))
             lo = n - len(seq.promote)  # the first promoted history block
             for t, length, plane, first in self._runs(layer, i):
                 a, b = max(t, lo), min(t + length, n)
@@ -243,17 +248,18 @@ class ChunkStream(HistorySource):
         self.block_layer_bytes = store.block_size * store.layer_token_bytes
         self._link_free_at = 0.0
 
-    def _plan_waves(self, plan: StepPlan, buckets: list[list[int]]) -> list[_WaveCopy]:
+    def _plan_waves(self, plan: StepPlan, buckets: list[list[int]], layer: int
+                    ) -> list[_WaveCopy]:
         copies = []
         cb, bs, device = self.chunk_blocks, self.store.block_size, self.store.device.device
+        chunks_of = [s.layer_chunks(layer, cb) for s in plan.seqs]
         for b, members in enumerate(buckets):
-            depth = max((len(plan.seqs[i].restore_chunks) for i in members), default=0)
+            depth = max((len(chunks_of[i]) for i in members), default=0)
             for j in range(depth):
-                having = [p for p, i in enumerate(members)
-                          if len(plan.seqs[i].restore_chunks) > j]
+                having = [p for p, i in enumerate(members) if len(chunks_of[i]) > j]
                 for w0 in range(0, len(having), self.wave_requests):
                     part = having[w0 : w0 + self.wave_requests]
-                    chunks = [plan.seqs[members[p]].restore_chunks[j] for p in part]
+                    chunks = [chunks_of[members[p]][j] for p in part]
                     lens = [len(c) for c in chunks]
                     ragged = any(n != cb for n in lens)
                     rows = ([w * cb + t for w, n in enumerate(lens) for t in range(n)]
@@ -263,7 +269,7 @@ class ChunkStream(HistorySource):
                         s = plan.seqs[members[p]]
                         if not s.promote:
                             continue
-                        lo = sum(len(c) for c in s.restore_chunks) - len(s.promote)
+                        lo = sum(len(c) for c in chunks_of[members[p]]) - len(s.promote)
                         for t in range(max(0, lo - j * cb), lens[w]):
                             p_rows.append(w * cb + t)
                             p_dst.append(s.promote[j * cb + t - lo])
@@ -279,9 +285,14 @@ class ChunkStream(HistorySource):
 
     def begin(self, plan: StepPlan, buckets: list[list[int]]) -> None:
         super().begin(plan, buckets)
-        copies = self._plan_waves(plan, buckets)
-        self.jobs: deque[tuple[int, _WaveCopy]] = deque(
-            (layer, c) for layer in range(self.store.cfg.num_layers) for c in copies)
+        # layers with the same split (host_layers) share one plan of waves
+        plans: dict[tuple[int, ...], list[_WaveCopy]] = {}
+        self.jobs: deque[tuple[int, _WaveCopy]] = deque()
+        for layer in range(self.store.cfg.num_layers):
+            key = tuple(s.host_layers[layer] if s.host_layers else -1 for s in plan.seqs)
+            if key not in plans:
+                plans[key] = self._plan_waves(plan, buckets, layer)
+            self.jobs.extend((layer, c) for c in plans[key])
         # issued, not consumed, in order: (layer, copy, first region, handle)
         self.pending: deque[tuple[int, _WaveCopy, int, TransferHandle]] = deque()
         self.in_use: deque[tuple[int, int]] = deque()  # (first region, regions), issue order

@@ -9,9 +9,12 @@ log-sum-exp per query row; the round merges them into the same online softmax as
 waves and the resident tail (``WaveAttention.add_partial``), exactly.
 
 The scheduler decides the split (``Scheduler._host_split``): a fixed share of every request's
-cold chunks (``host_attention_fraction``), or under ``host_attention="auto"`` the share that
-lets the host and the link finish together, from the link rate and the host attention rate
-this worker measures (bytes of KV attended per second of its busy time).
+cold chunks (``host_attention_fraction``), or under ``host_attention="auto"`` the split that
+lets the host and the link finish together, from the link rate and what this worker measures:
+its time per byte of KV as a line in the query positions per request (``cost``: a decode
+round's few positions read memory, a prefill chunk's hundreds compute), and the device time
+of a round during which the host can have nothing to do (``serial_s``: a layer's queries come
+only after its projection, and the layer's MLP waits for the host's partials).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
+from specstream.engine.shaping import LineFit
 from specstream.kvcache.storage import KVStore
 
 
@@ -42,17 +46,43 @@ class HostAttention:
         self.bytes = 0  # KV bytes attended on the host, since start
         self.busy_s = 0.0  # worker time spent on them
         self.wait_s = 0.0  # time the round waited for the host's partials (``collect``)
+        # seconds per KV byte against query positions per request, one point per job
+        self.cost = LineFit(decay=0.98)
+        # device time of rounds with host work while the host had none: from the round's
+        # start to its first queries, and from each layer's partials to the next layer's
+        # queries (the compute thread's only: begin_round / submit / collect / end_round)
+        self.serial_s = 0.0
+        self._mark: float | None = None
 
     @property
     def rate(self) -> float:
         """Host attention bytes/s measured so far (0: nothing measured)."""
         return self.bytes / self.busy_s if self.busy_s else 0.0
 
+    def seconds_per_byte(self, positions: int) -> float:
+        """The host's time per KV byte for requests of ``positions`` query positions, from
+        the jobs measured so far (0: nothing measured)."""
+        if not self.cost.n:
+            return 0.0
+        a, b = self.cost.coef()
+        return a + b * positions
+
+    def begin_round(self) -> None:
+        self._mark = time.perf_counter()
+
+    def end_round(self) -> None:
+        if self._mark is not None:
+            self.serial_s += time.perf_counter() - self._mark
+            self._mark = None
+
     def submit(self, layer: int, q: Tensor, blocks: list[tuple[int, ...]],
                scale: float) -> Future[tuple[Tensor, Tensor]]:
         """Partial attention of ``q`` (``[W, P, H, D]``, one request per row, any device) over
         each request's host ``blocks`` of ``layer``: a future of (out ``[W, P, H, D]``, lse
         ``[W, P, H]``), fp32 on the host."""
+        if self._mark is not None:  # the first job of a layer: the host had none till now
+            self.serial_s += time.perf_counter() - self._mark
+            self._mark = None
         q_host = q.detach().to("cpu", torch.float32)
         return self.pool.submit(self._run, layer, q_host, blocks, scale)
 
@@ -60,7 +90,8 @@ class HostAttention:
         """A submitted job's partials, once done (the wait is counted in ``wait_s``)."""
         t0 = time.perf_counter()
         out = job.result()
-        self.wait_s += time.perf_counter() - t0
+        self._mark = time.perf_counter()
+        self.wait_s += self._mark - t0
         return out
 
     def _run(self, layer: int, q: Tensor, blocks: list[tuple[int, ...]],
@@ -84,9 +115,12 @@ class HostAttention:
             out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.permute(1, 0, 2))
             outs.append(out.view(kv, g, p, d).permute(2, 0, 1, 3).reshape(p, h, d))
             lses.append(lse.view(kv, g, p).permute(2, 0, 1).reshape(p, h))
+        busy = time.perf_counter() - t0
         with self._lock:
             self.bytes += nbytes
-            self.busy_s += time.perf_counter() - t0
+            self.busy_s += busy
+            if nbytes:
+                self.cost.add(p, busy / nbytes)
         return torch.stack(outs), torch.stack(lses)
 
     def close(self) -> None:

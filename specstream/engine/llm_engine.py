@@ -94,7 +94,8 @@ class LLMEngine:
                              if isinstance(self.proposer, DraftModelProposer) else 0.0)
         if config.host_attends:
             self.worker.host = HostAttention(self.store, config.host_attention_threads)
-        self._host_wait_s = 0.0
+            self.scheduler.host_cost = self.worker.host.seconds_per_byte
+        self._host_wait_s = self._host_serial_s = self._host_busy_s = 0.0
         self._ids = itertools.count()
         self.stats = EngineStats(accepted_per_pos=[0] * max(1, config.q))
         # The newest decode steps, and steps that only prefilled (bounded: a server runs for
@@ -248,7 +249,10 @@ class LLMEngine:
         if not decode and not prefill_tokens:
             return  # nothing was done
         self.scheduler.note_step(self._link_rate(), compute if prefill_tokens else None)
+        host_busy = 0.0
         if self.worker.host is not None:
+            host_busy, self._host_busy_s = (self.worker.host.busy_s - self._host_busy_s,
+                                            self.worker.host.busy_s)
             self._note_host(plan, history, compute, decode and not prefill_tokens)
         shaper = self.scheduler.shaper
         if shaper is not None and prefill_tokens:
@@ -279,6 +283,8 @@ class LLMEngine:
             history_floor_bytes=history_floor,
             tree_nodes=sum(s.num_drafts for s in plan.seqs if s.parents),
             draft_fed_tokens=sum(d.unseen for d in plan.drafts if result.drafts.get(d.request_id)),
+            host_bytes=self._host_bytes(plan),
+            host_busy_s=host_busy,
         ))
         if decode:
             self.tracer.add("round", "round", result.start, end)
@@ -298,17 +304,33 @@ class LLMEngine:
                         topk=shape.topk)
 
     def _note_host(self, plan: StepPlan, streamed: int, compute: float, decode: bool) -> None:
-        """Host attention: its measured rate, and, after a decode round, whether the round is
-        link-bound, i.e. streaming all its cold history (what the host attended included)
-        would take longer than the device's compute (its wait for the host excluded): only
-        then does ``auto`` give the host a share."""
-        host = self.worker.host
+        """Host attention, after a decode round: the device time the host had nothing to do
+        (for the split), and whether the round is link-bound, i.e. streaming all its cold
+        history (what the host attended included) would take longer than the device's
+        compute (its wait for the host excluded): only then does ``auto`` give the host a
+        share. The host's own cost per byte it measures itself."""
+        host, sch = self.worker.host, self.scheduler
         assert host is not None
-        self.scheduler.host_attention_bps = host.rate
         waited, self._host_wait_s = host.wait_s - self._host_wait_s, host.wait_s
-        cold = streamed + sum(len(s.host_blocks) for s in plan.seqs) * self.store.block_bytes
-        if decode and cold:  # (a step without cold history, e.g. drafts only, says nothing)
-            self.scheduler.host_pays = cold / self._link_rate() > compute - waited
+        serial, self._host_serial_s = host.serial_s - self._host_serial_s, host.serial_s
+        on_host = self._host_bytes(plan)
+        cold = streamed + on_host
+        if not (decode and cold):  # (a step without cold history, e.g. drafts only, says nothing)
+            return
+        sch.host_pays = cold / self._link_rate() > compute - waited
+        if on_host:
+            sch.host_serial_s = (0.7 * sch.host_serial_s + 0.3 * serial if sch.host_serial_s
+                                 else serial)
+        if sch.shaper is not None:  # the round-shape policy weighs shapes with the split
+            verified = sum(1 for s in plan.seqs if s.sample and not s.prefill)
+            sch.shaper.observe_host(cold / max(1, verified), self._link_rate(),
+                                    host.cost.coef() if host.cost.n and sch.host_pays
+                                    else (0.0, 0.0), sch.host_serial_s)
+
+    def _host_bytes(self, plan: StepPlan) -> int:
+        """KV bytes the step attended on the host (host_attention)."""
+        layers = self.model_config.num_layers
+        return sum(s.host_bytes(self.store.block_bytes, layers) for s in plan.seqs)
 
     def _link_rate(self) -> float:
         """Bytes/s of the link: the emulated rate where one is set, else the measured one."""

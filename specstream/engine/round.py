@@ -46,11 +46,11 @@ def run_round(
     x, (cos, sin) = model.embed(ids_t, pos_t)
     kv = StepKV(plan, store)
     scale, kv_heads = store.cfg.head_dim**-0.5, store.cfg.num_kv_heads
-    # host attention: per bucket, its requests with history attended on the host
-    on_host = [[(w, plan.seqs[i].host_blocks) for w, i in enumerate(b.members)
-                if plan.seqs[i].host_blocks] for b in kv.buckets] if host is not None else []
-    rows = [torch.tensor([w for w, _ in m], device=device) for m in on_host]
+    on_host = _host_jobs(plan, kv, len(model.layers), device) if host is not None else []
     history.begin(plan, kv.groups)  # the first waves of cold history are in flight from here
+    timed = host if any(on_host) else None  # the host's idle time between layers
+    if timed is not None:
+        timed.begin_round()
     try:
         if copies_issued is not None:
             copies_issued()  # e.g. the other group's draft steps, enqueued on their stream
@@ -59,21 +59,43 @@ def run_round(
             kv.write(layer, k, v)
             qs = [q[b.q_index].view(len(b.members), b.num_q, *q.shape[1:]) for b in kv.buckets]
             atts = [attention(qb, kv_heads, scale) for qb in qs]
-            jobs = [(bucket, host.submit(layer, qs[bucket].index_select(0, rows[bucket]),
-                                         [blocks for _, blocks in m], scale))
-                    for bucket, m in enumerate(on_host) if m and host is not None]
+            jobs = [(bucket, rows, host.submit(layer, qs[bucket].index_select(0, rows), blocks,
+                                               scale))
+                    for bucket, rows, blocks in on_host[layer]] if host is not None else []
             for bucket, hk, hv, shape in history.waves(layer, while_waiting=gap):
                 atts[bucket].add(hk, hv, shape)
             for bucket, att in enumerate(atts):
                 for wave in kv.tail(layer, bucket, k, v):
                     att.add(*wave)
-            for bucket, job in jobs:  # the host's share, merged like any wave
+            for bucket, rows, job in jobs:  # the host's share, merged like any wave
                 assert host is not None
                 out_h, lse_h = host.collect(job)
-                atts[bucket].add_partial(out_h.to(device), lse_h.to(device), rows[bucket])
+                atts[bucket].add_partial(out_h.to(device), lse_h.to(device), rows)
             outs = [att.result().flatten(0, 1) for att in atts]  # [W * P, heads, D]
             out = (outs[0] if len(outs) == 1 else torch.cat(outs))[kv.out_index]
             x = block.finish(x, out)
     finally:
+        if timed is not None:
+            timed.end_round()
         history.end()
     return model.norm(x), kv.rows, dict(history.failed)
+
+
+def _host_jobs(plan: StepPlan, kv: StepKV, num_layers: int, device: torch.device
+               ) -> list[list[tuple[int, torch.Tensor, list[tuple[int, ...]]]]]:
+    """Host attention, per layer: (bucket, rows of its requests with blocks attended on the
+    host in that layer, those blocks per row)."""
+    rows: dict[tuple[int, ...], torch.Tensor] = {}
+    out = []
+    for layer in range(num_layers):
+        jobs = []
+        for bucket, b in enumerate(kv.buckets):
+            work = [(w, plan.seqs[i].layer_host_blocks(layer)) for w, i in enumerate(b.members)]
+            work = [(w, blocks) for w, blocks in work if blocks]
+            if work:
+                key = (bucket, *(w for w, _ in work))
+                if key not in rows:
+                    rows[key] = torch.tensor(key[1:], device=device)
+                jobs.append((bucket, rows[key], [blocks for _, blocks in work]))
+        out.append(jobs)
+    return out

@@ -22,9 +22,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
-from typing import Any
 
 from specstream.config import EngineConfig
+from specstream.engine.host_split import by_layer, split_for_host
 from specstream.engine.layout import RuntimeLayout
 from specstream.engine.request import Request, Status
 from specstream.engine.shaping import RoundShaper
@@ -32,6 +32,9 @@ from specstream.engine.step import DraftWork, SeqWork, StepOutput, StepPlan, Ste
 from specstream.kvcache.manager import KVManager, OffloadPolicy, residency_targets
 from specstream.spec.round_shape import Shape
 
+# host_attention "auto": the host's share of each request's cold blocks until the link and
+# the host have both been measured
+UNMEASURED_HOST_SHARE = 0.25
 
 @dataclass
 class _Reservation:
@@ -54,9 +57,12 @@ class Scheduler:
         eos_token_ids: Collection[int] = (),
         decode: Callable[[list[int]], str] | None = None,
         history_token_bytes: int = 0,
+        num_layers: int = 1,
     ) -> None:
         self.config = config
         self.kv = kv
+        # the model's layers (host_attention splits a request's cold blocks by layer)
+        self.layers = num_layers
         # `restore` modes: the model's layer count. A step holds two layers of its requests'
         # history on the device (the one attended, the next one prefetched), in pool blocks
         # lent to the step; each request reserves its share (2 / layers of its host blocks).
@@ -92,9 +98,15 @@ class Scheduler:
         self.history_token_bytes = history_token_bytes
         self._link_bps = 0.0
         self._chunk_s = 0.0
-        self.host_attention_bps = 0.0  # host_attention: the worker's measured rate
-        # ... and whether the last decode round was link-bound (auto: else no host share)
+        # host_attention "auto" (engine/host_split.py): the worker's seconds per KV byte by
+        # query positions per request (set by the engine once there is a worker), the device
+        # time per round the host can have nothing to do (EWMA over decode rounds), whether
+        # the last decode round was link-bound (else no host share), and the share of cold
+        # blocks the last step with cold history gave the host
+        self.host_cost: Callable[[int], float] | None = None
+        self.host_serial_s = 0.0
         self.host_pays = True
+        self.host_share = 0.0
         # `fill`: what the step needs beyond the shares, counted by _rebalance before it
         # allocates anything: restore-mode room for its history (pool blocks lent to it) and
         # the decode rounds' new blocks
@@ -115,7 +127,8 @@ class Scheduler:
                        policy, prefix_caching=config.enable_prefix_caching)
         return cls(config, kv, restore_layers=layout.restore_layers,
                    max_model_len=layout.max_model_len, eos_token_ids=layout.eos_token_ids,
-                   decode=decode, history_token_bytes=layout.block_bytes // config.block_size)
+                   decode=decode, history_token_bytes=layout.block_bytes // config.block_size,
+                   num_layers=layout.block_bytes // (config.block_size * layout.layer_token_bytes))
 
     # ---- admission ----------------------------------------------------------------------
     @property
@@ -233,36 +246,46 @@ class Scheduler:
             self._chunk_s = (prefill_compute_s if not self._chunk_s
                              else 0.7 * self._chunk_s + 0.3 * prefill_compute_s)
 
-    def _host_split(self, chunks: tuple[tuple[int, ...], ...]) -> dict[str, Any]:
-        """A request's cold blocks: the oldest ``host_share`` of them attended on the host
+    def _split_host(self, seqs: list[SeqWork]) -> list[SeqWork]:
+        """Each request's cold blocks: the oldest ``_host_counts`` of them attended on the host
         (``host_blocks``), the rest over the link (``restore_chunks``, re-cut into chunks)."""
-        share = self.host_share if chunks else 0.0
-        if not share:
-            return {"host_blocks": (), "restore_chunks": chunks}
-        blocks = [b for c in chunks for b in c]
-        n = round(share * len(blocks))
+        cold = [[b for c in s.restore_chunks for b in c] for s in seqs]
+        total = sum(map(len, cold))
+        if not (total and self.config.host_attends):
+            return seqs
+        counts = self._host_counts(seqs, [len(c) for c in cold])
+        self.host_share = sum(counts) / total
         per = max(1, self.config.chunk_tokens // self.config.block_size)
-        rest = blocks[n:]
-        return {"host_blocks": tuple(blocks[:n]),
-                "restore_chunks": tuple(tuple(rest[i : i + per])
-                                        for i in range(0, len(rest), per))}
+        layers = self.layers
+        out = []
+        for s, blocks, x in zip(seqs, cold, counts, strict=True):
+            # whole blocks by layer (a fractional share alternates between two counts)
+            n_by_layer = by_layer(x, layers)
+            n = max(n_by_layer)
+            if n:
+                s = replace(s, host_blocks=tuple(blocks[:n]),
+                            host_layers=n_by_layer if min(n_by_layer) < n else (),
+                            restore_chunks=tuple(tuple(blocks[i : i + per])
+                                                 for i in range(n, len(blocks), per)))
+            out.append(s)
+        return out
 
-    @property
-    def host_share(self) -> float:
-        """The share of cold blocks attended on the host: the fixed host_attention_fraction;
-        under "auto", host rate / (host rate + link rate), so both finish together (a quarter
-        until the host rate is measured), where the last decode round was link-bound, else
-        none; 0 when off."""
-        cfg = self.config
-        if not cfg.host_attends:
-            return 0.0
-        if cfg.host_attention_fraction is not None:
-            return cfg.host_attention_fraction
+    def _host_counts(self, seqs: list[SeqWork], blocks: list[int]) -> list[float]:
+        """How many cold blocks of each request the host attends (fractions of a block: the
+        layers take turns): the fixed host_attention_fraction of each; under "auto", where
+        the last decode round was link-bound, the split that lets the link and the host
+        finish together from their measured rates (a quarter of each until both are
+        measured), else none."""
+        fraction = self.config.host_attention_fraction
+        if fraction is not None:
+            return [fraction * n for n in blocks]
         if not self.host_pays:  # compute-bound: moving history off the link buys nothing
-            return 0.0
-        if not (self.host_attention_bps and self._link_bps):
-            return 0.25
-        return self.host_attention_bps / (self.host_attention_bps + self._link_bps)
+            return [0.0] * len(blocks)
+        cost = [self.host_cost(len(s.token_ids)) if self.host_cost else 0.0 for s in seqs]
+        if not (self._link_bps and all(cost) and self.history_token_bytes):
+            return [UNMEASURED_HOST_SHARE * n for n in blocks]
+        return split_for_host(blocks, cost, self.history_token_bytes * self.config.block_size,
+                              self._link_bps, self.host_serial_s)
 
     def _chunk_hides_history(self) -> bool:
         """Whether a prefill chunk's compute hides streaming every decoding request's history
@@ -433,14 +456,15 @@ class Scheduler:
                 sample=sample,
                 host_tokens=seq.first * self.config.block_size,
                 device_blocks=tuple(seq.device_blocks),
-                **self._host_split(tuple(c.host_blocks for c in self.kv.restore_chunks(rid))),
+                restore_chunks=tuple(c.host_blocks for c in self.kv.restore_chunks(rid)),
                 params=req.params,
                 parents=parents,
             ))
+        seqs = self._split_host(seqs)
         finished, self._finished = tuple(self._finished), []
         # `restore` modes: pool blocks for two layers of the step's history, lent for the step
         # (the admitted requests' reservations keep them free)
-        history = sum(len(c) for s in seqs for c in s.restore_chunks)
+        history = sum(s.max_link_blocks for s in seqs)
         lent = tuple(self.kv.device.allocate(self._restore_blocks(history))) if history else ()
         seqs = self._promote(seqs)
         moving = tuple((rid, tuple(seq.moving)) for rid, seq in self.kv.seqs.items()

@@ -46,7 +46,7 @@ DEPTHS = (0, 1, 2, 4, 6, 8, 12, 16)
 
 
 @dataclass
-class _LineFit:
+class LineFit:
     """y = a + b x by exponentially weighted least squares (b >= 0)."""
 
     decay: float = 0.95
@@ -86,8 +86,8 @@ class RoundShaper:
     explore_every: int = 32
     acceptance: AcceptanceEstimate = field(init=False)
     link_s: float = 0.0
-    verify: _LineFit = field(default_factory=_LineFit)
-    draft: _LineFit = field(default_factory=_LineFit)
+    verify: LineFit = field(default_factory=LineFit)
+    draft: LineFit = field(default_factory=LineFit)
     decisions: int = 0
     chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds it was chosen
     chosen_nodes: dict[int, int] = field(default_factory=dict)  # nodes -> rounds (trees too)
@@ -102,6 +102,9 @@ class RoundShaper:
     # draft's share of the parameters).
     catch_up_token_s: float = 0.0
     catch_up_measured: bool = False
+    # host_attention auto (observe_host): RoundCosts' cold_bytes, link_bps, host seconds per
+    # byte (fixed, per position) and host_serial_s; None while the host has no share
+    host: tuple[float, float, float, float, float] | None = None
 
     def __post_init__(self) -> None:
         # the prior by rank: the first candidate as the model card's per-token figure, the
@@ -192,6 +195,14 @@ class RoundShaper:
         self.observe(link_s, verify_s, 0 if prefill else plan.num_tokens, steps, draft_s,
                      chains, walks)
 
+    def observe_host(self, cold_bytes: float, link_bps: float, cost: tuple[float, float],
+                     serial_s: float) -> None:
+        """After a decode round with host attention on: a verified request's cold history,
+        the link's rate, the host's seconds per byte as (fixed, per query position) and the
+        device time the host idles per round. A cost of (0, 0): the host has no share (not
+        measured, or the round is compute-bound), and the round's history is the link's."""
+        self.host = (cold_bytes, link_bps, *cost, serial_s) if any(cost) else None
+
     def prior_catch_up(self, token_s: float) -> None:
         """The engine's estimate of the draft's time per token caught up on, used until a
         step measures it."""
@@ -207,9 +218,14 @@ class RoundShaper:
             # another size give the line its slope
             va, vb = 0.0, va / (self.verify.sx / self.verify.n)
         da, db = self.draft.coef()
+        host = {}
+        if self.host is not None:
+            cold, link_bps, ha, hb, serial = self.host
+            host = dict(cold_bytes=cold, link_bps=link_bps, host_s_per_byte=ha,
+                        host_s_per_byte_per_position=hb, host_serial_s=serial)
         return RoundCosts(link_s=self.link_s, verify_base_s=va, verify_per_position_s=vb,
                           draft_level_s=da, draft_per_node_s=db,
-                          draft_setup_s=self._catch_up_s(catch_up))
+                          draft_setup_s=self._catch_up_s(catch_up), **host)
 
     def shape(self, num_requests: int, catch_up: float = 0.0) -> Shape:
         """The drafts' shape for the next round of ``num_requests`` verified requests.

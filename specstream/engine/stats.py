@@ -37,6 +37,8 @@ class RoundStats:
     history_bytes: int = 0  # host-to-device bytes of history (restored or streamed)
     history_floor_bytes: int = 0  # the step's history that cannot be resident (see engine)
     draft_fed_tokens: int = 0  # tokens the draft caught up on before drafting (unseen ones)
+    host_bytes: int = 0  # cold history attended on the host (host_attention), all layers
+    host_busy_s: float = 0.0  # the host workers' time on it
 
 
 @dataclass

@@ -47,6 +47,36 @@ class SeqWork:
     # The oldest host-read blocks, attended on the host CPU instead of crossing the link
     # (host_attention); restore_chunks then hold only the rest.
     host_blocks: tuple[int, ...] = ()
+    # Per layer, how many of host_blocks that layer attends on the host (empty: all of them
+    # in every layer); a layer's others cross the link before restore_chunks (layer_chunks).
+    host_layers: tuple[int, ...] = ()
+
+    def layer_host_blocks(self, layer: int) -> tuple[int, ...]:
+        """The blocks ``layer`` attends on the host."""
+        return self.host_blocks[: self.host_layers[layer]] if self.host_layers else (
+            self.host_blocks)
+
+    def layer_chunks(self, layer: int, per_chunk: int) -> tuple[tuple[int, ...], ...]:
+        """The blocks of ``layer`` that cross the link, in chunks of ``per_chunk`` blocks
+        (every chunk full but the last, as restore_chunks)."""
+        if not self.host_layers or self.host_layers[layer] == len(self.host_blocks):
+            return self.restore_chunks
+        blocks = self.host_blocks[self.host_layers[layer] :] + tuple(
+            b for c in self.restore_chunks for b in c)
+        return tuple(blocks[i : i + per_chunk] for i in range(0, len(blocks), per_chunk))
+
+    @property
+    def max_link_blocks(self) -> int:
+        """The most blocks any one layer moves over the link."""
+        extra = (len(self.host_blocks) - min(self.host_layers)) if self.host_layers else 0
+        return extra + sum(len(c) for c in self.restore_chunks)
+
+    def host_bytes(self, block_bytes: int, num_layers: int) -> int:
+        """Bytes of KV the host attends for this request over all layers (``block_bytes``: a
+        block of every layer)."""
+        if not self.host_layers:
+            return len(self.host_blocks) * block_bytes
+        return sum(self.host_layers) * block_bytes // num_layers
 
     @property
     def is_tree(self) -> bool:

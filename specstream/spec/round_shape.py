@@ -26,6 +26,8 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from specstream.engine.host_split import transfer_s
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -126,8 +128,28 @@ class RoundCosts:
     # drafting's one-off cost, spread over the rounds that follow: the draft catching up on
     # tokens it has not seen (a request that never drafted prefills its window), per round
     draft_setup_s: float = 0.0
+    # host_attention "auto": a verified request's cold history per round, the link's rate, the
+    # host's seconds per byte (fixed part, per query position of a request) and the device
+    # time the host idles per round; with a host cost, the round's history takes the split
+    # that lets link and host finish together (engine/host_split.py), which depends on the
+    # shape: a tree's query positions slow the host
+    cold_bytes: float = 0.0
+    link_bps: float = 0.0
+    host_s_per_byte: float = 0.0
+    host_s_per_byte_per_position: float = 0.0
+    host_serial_s: float = 0.0
+
+    def history_s(self, shape: Shape, num_requests: int) -> float:
+        """The round's time on its cold history: over the link, or split with the host."""
+        if not (self.host_s_per_byte and self.link_bps and self.cold_bytes):
+            return self.link_s
+        per_byte = (self.host_s_per_byte
+                    + self.host_s_per_byte_per_position * (1 + shape.num_nodes))
+        return transfer_s(num_requests * self.cold_bytes, self.link_bps, per_byte,
+                          self.host_serial_s)
 
     def round_s(self, shape: Shape, num_requests: int, drafting: str) -> float:
+        link = self.history_s(shape, num_requests)
         positions = num_requests * (1 + shape.num_nodes)
         verify = self.verify_base_s + self.verify_per_position_s * positions
         draft = 0.0
@@ -136,10 +158,10 @@ class RoundCosts:
             draft = shape.levels * (self.draft_level_s + self.draft_per_node_s * per_level)
             draft += self.draft_setup_s
         if drafting == "gaps":
-            return max(self.link_s, verify + draft)
+            return max(link, verify + draft)
         if drafting == "parallel":
-            return max(self.link_s, verify, draft)
-        return max(self.link_s, verify) + draft
+            return max(link, verify, draft)
+        return max(link, verify) + draft
 
 
 def choose(candidates: Sequence[Shape], num_requests: int, costs: RoundCosts,
