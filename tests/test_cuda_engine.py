@@ -91,22 +91,35 @@ def test_offloading_modes_equal_resident(tiny_target, tiny_draft, prompts, refer
         assert m["proposed_tokens"] > 0
 
 
+@pytest.mark.parametrize("mode", ["stream", "specstream", "offload-spec"])
+def test_host_attention_equals_resident_on_cuda(tiny_target, tiny_draft, prompts, reference,
+                                                mode):
+    """Half of each request's cold history attended by the host workers (queries down into
+    pinned memory, partials back without blocking), the rest streamed: resident's tokens."""
+    spec = dict(draft_model=tiny_draft, num_speculative_tokens=3) if mode != "stream" else {}
+    tokens, m = _run(tiny_target, prompts, mode=mode, device_kv_bytes=BUDGET[mode],
+                     attention_backend="torch", host_attention_fraction=0.5, **spec, **OFFLOAD)
+    assert tokens == reference("torch")
+    assert m["host_attention_bytes"] > 0 and m["link_bytes_h2d"] > 0
+
+
 @pytest.mark.skipif(not triton_available(), reason="needs Triton")
 def test_attention_backends_agree(reference):
     """The Triton kernel (IEEE fp32 dots) and the torch path decode the same tokens."""
     assert reference("triton") == reference("torch")
 
 
+@pytest.mark.parametrize("host", [{}, dict(host_attention_fraction=0.5)])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_rounds_sync_only_inside_sync_point(tiny_target, tiny_draft, prompts, reference,
-                                                   backend, caplog):
+                                                   backend, host, caplog):
     """After prefill, decode rounds of `specstream` (drafting in the link's gaps, streamed
     history, write-backs) under CUDA's sync debug mode "error": any host synchronisation
     outside `sync_point()` raises inside the round, which fails the round's requests (and logs
     it), so the test sees it."""
     llm = LLM(tiny_target, mode="specstream", draft_model=tiny_draft, num_speculative_tokens=3,
               device_kv_bytes=BUDGET["specstream"], attention_backend=backend, **COMMON,
-              **OFFLOAD)
+              **OFFLOAD, **host)
     eng = llm.engine
     try:
         rids = [eng.add_request(p, GREEDY) for p in prompts]

@@ -79,12 +79,21 @@ class HostAttention:
                scale: float) -> Future[tuple[Tensor, Tensor]]:
         """Partial attention of ``q`` (``[W, P, H, D]``, one request per row, any device) over
         each request's host ``blocks`` of ``layer``: a future of (out ``[W, P, H, D]``, lse
-        ``[W, P, H]``), fp32 on the host."""
+        ``[W, P, H]``), fp32 on the host (pinned when ``q`` is on a GPU, so they go back
+        without blocking). On a GPU the queries come down on the compute stream into pinned
+        memory without blocking it; the worker waits for their event, not the caller."""
         if self._mark is not None:  # the first job of a layer: the host had none till now
             self.serial_s += time.perf_counter() - self._mark
             self._mark = None
-        q_host = q.detach().to("cpu", torch.float32)
-        return self.pool.submit(self._run, layer, q_host, blocks, scale)
+        ready = None
+        if q.device.type == "cuda":
+            q_host = torch.empty(q.shape, dtype=torch.float32, pin_memory=True)
+            q_host.copy_(q.detach(), non_blocking=True)
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready.record()
+        else:
+            q_host = q.detach().float()
+        return self.pool.submit(self._run, layer, q_host, blocks, scale, ready)
 
     def collect(self, job: Future[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         """A submitted job's partials, once done (the wait is counted in ``wait_s``)."""
@@ -94,8 +103,10 @@ class HostAttention:
         self.wait_s += self._mark - t0
         return out
 
-    def _run(self, layer: int, q: Tensor, blocks: list[tuple[int, ...]],
-             scale: float) -> tuple[Tensor, Tensor]:
+    def _run(self, layer: int, q: Tensor, blocks: list[tuple[int, ...]], scale: float,
+             ready: torch.cuda.Event | None = None) -> tuple[Tensor, Tensor]:
+        if ready is not None:
+            ready.synchronize()  # the queries have landed (this thread waits, not the round)
         t0 = time.perf_counter()
         host, cfg = self.store.host, self.store.cfg
         assert host is not None
@@ -121,7 +132,10 @@ class HostAttention:
             self.busy_s += busy
             if nbytes:
                 self.cost.add(p, busy / nbytes)
-        return torch.stack(outs), torch.stack(lses)
+        out, lse = torch.stack(outs), torch.stack(lses)
+        if ready is not None:  # back to the GPU without blocking the compute thread
+            out, lse = out.pin_memory(), lse.pin_memory()
+        return out, lse
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

@@ -70,7 +70,8 @@ def run_round(
             for bucket, rows, job in jobs:  # the host's share, merged like any wave
                 assert host is not None
                 out_h, lse_h = host.collect(job)
-                atts[bucket].add_partial(out_h.to(device), lse_h.to(device), rows)
+                atts[bucket].add_partial(out_h.to(device, non_blocking=True),
+                                         lse_h.to(device, non_blocking=True), rows)
             outs = [att.result().flatten(0, 1) for att in atts]  # [W * P, heads, D]
             out = (outs[0] if len(outs) == 1 else torch.cat(outs))[kv.out_index]
             x = block.finish(x, out)
