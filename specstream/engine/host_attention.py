@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
+from specstream.attention.host_kernel import host_partial
 from specstream.engine.shaping import LineFit
 from specstream.kvcache.storage import KVStore
 
@@ -108,31 +109,18 @@ class HostAttention:
         if ready is not None:
             ready.synchronize()  # the queries have landed (this thread waits, not the round)
         t0 = time.perf_counter()
-        host, cfg = self.store.host, self.store.cfg
+        host = self.store.host
         assert host is not None
-        kv, d = cfg.num_kv_heads, cfg.head_dim
-        w, p, h, _ = q.shape
-        g = h // kv
-        outs, lses = [], []
-        nbytes = 0
-        for r in range(w):
-            idx = torch.tensor(blocks[r], dtype=torch.long)
-            k = host[layer, 0].index_select(0, idx).reshape(-1, kv, d).float()  # [N, kv, D]
-            v = host[layer, 1].index_select(0, idx).reshape(-1, kv, d).float()
-            nbytes += 2 * idx.numel() * self.store.block_size * kv * d * host.element_size()
-            qr = q[r].view(p, kv, g, d).permute(1, 2, 0, 3).reshape(kv, g * p, d)
-            s = torch.matmul(qr, k.permute(1, 2, 0)).mul_(scale)  # [kv, g * P, N]
-            lse = torch.logsumexp(s, dim=-1)  # [kv, g * P]
-            out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.permute(1, 0, 2))
-            outs.append(out.view(kv, g, p, d).permute(2, 0, 1, 3).reshape(p, h, d))
-            lses.append(lse.view(kv, g, p).permute(2, 0, 1).reshape(p, h))
+        out, lse = host_partial(host, layer, q, blocks, self.store.block_size, scale)
+        # K and V of every block attended, at the host tier's element size
+        nbytes = 2 * sum(map(len, blocks)) * host[0, 0, 0].numel() * host.element_size()
+        p = q.shape[1]
         busy = time.perf_counter() - t0
         with self._lock:
             self.bytes += nbytes
             self.busy_s += busy
             if nbytes:
                 self.cost.add(p, busy / nbytes)
-        out, lse = torch.stack(outs), torch.stack(lses)
         if ready is not None:  # back to the GPU without blocking the compute thread
             out, lse = out.pin_memory(), lse.pin_memory()
         return out, lse
