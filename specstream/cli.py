@@ -102,6 +102,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-attention-fraction", type=float, default=None,
                    help="a fixed share (0-1) of each request's cold chunks attended on the "
                         "host instead (for ablations)")
+    g.add_argument("--host-attention-gbps", type=float, default=None,
+                   help="emulated host attention rate on the cpu backend, GB/s of KV attended "
+                        "(default: none, as fast as the host computes)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=None,
                    help="do not keep finished requests' KV blocks for later prompts that start "

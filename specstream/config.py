@@ -105,6 +105,11 @@ class EngineConfig:
     host_attention_fraction: float | None = None
     # Threads of the host attention worker (None: the cores the engine's two threads leave).
     host_attention_threads: int | None = None
+    # Emulated host attention rate on the cpu backend, GB/s of KV attended (as link_gbps is
+    # the link's): each job takes at least its bytes at this rate, so a CPU run can take a
+    # real server's link-to-host ratio (PCIe 5 ~50 GB/s against ~300-500 GB/s of a dual-socket
+    # DDR5 host) instead of this machine's. None: as fast as the workers compute.
+    host_attention_gbps: float | None = None
     # A request's history moves to the host once it passes this many tokens. None: derived
     # from the model by `default_offload_after` (a quarter of its context, at most 8192).
     offload_after_tokens: int | None = None
@@ -245,6 +250,9 @@ class EngineConfig:
         f = self.host_attention_fraction
         if f is not None and not 0.0 <= f <= 1.0:
             raise ValueError(f"host_attention_fraction must be in [0, 1], got {f}")
+        if self.host_attention_gbps is not None and self.host_attention_gbps <= 0:
+            raise ValueError(f"host_attention_gbps must be positive, got "
+                             f"{self.host_attention_gbps}")
         if self.host_attention_threads is not None and self.host_attention_threads < 1:
             raise ValueError("host_attention_threads must be >= 1, got "
                              f"{self.host_attention_threads}")

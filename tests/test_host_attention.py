@@ -152,6 +152,30 @@ def test_a_fractional_share_alternates_between_block_counts_by_layer():
     assert sum(by_layer(0.2, 6)) == 1 and by_layer(0.0, 4) == (0, 0, 0, 0)
 
 
+def test_an_emulated_host_rate_is_never_beaten():
+    """host_attention_gbps paces the workers like the emulated link: the measured rate stays
+    at or under it (a lower bound on each job's time, so a slow machine cannot break it)."""
+    from specstream.backends import make_backend
+    from specstream.engine.host_attention import HostAttention
+    from specstream.kvcache.storage import KVStore
+    from specstream.models.config import ModelConfig
+
+    cfg = ModelConfig(family="qwen3", vocab_size=8, hidden_size=8, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, intermediate_size=8,
+                      max_position_embeddings=64)
+    store = KVStore(cfg, torch.float32, 4, 4, 8, make_backend("cpu"))
+    host = HostAttention(store, threads=1, emulate_gbps=0.001)  # 1 MB/s
+    q = torch.randn(1, 2, 4, 8)
+    jobs = [host.submit(layer % 2, q, [(0, 1, 2)], 0.3) for layer in range(4)]
+    for job in jobs:
+        host.collect(job)
+    host.close()
+    assert host.bytes == 4 * 2 * 3 * 4 * 2 * 8 * 4
+    assert 0 < host.rate <= 1e6 * 1.001
+    with pytest.raises(ValueError, match="host_attention_gbps"):
+        EngineConfig(host_attention_gbps=0.0)
+
+
 def test_host_attention_options_are_validated():
     with pytest.raises(ValueError, match="host_attention must be"):
         EngineConfig(host_attention="cpu")

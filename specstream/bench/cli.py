@@ -95,6 +95,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-attention", choices=["off", "auto"], default="off",
                    help="offloading modes: attend part of each request's cold history on the "
                         "host CPU beside the link (auto), or not (default: off)")
+    p.add_argument("--host-attention-gbps", type=float, default=None,
+                   help="emulated host attention rate of the cpu backend, GB/s of KV attended "
+                        "(default: none, as fast as this machine's host computes)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="turn automatic prefix caching off in every run (multiturn: run only "
                         "without the cache; by default it runs every mode with and without)")
@@ -174,7 +177,9 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         resident_tail_tokens=args.resident_tail_tokens,
         offload_after_tokens=args.offload_after_tokens, residency=args.residency,
         enable_prefix_caching=not args.no_prefix_caching, host_attention=args.host_attention,
-        extra={"attention_backend": args.attention_backend},
+        extra={"attention_backend": args.attention_backend,
+               **({"host_attention_gbps": args.host_attention_gbps}
+                  if args.host_attention_gbps else {})},
     )
 
 
@@ -369,6 +374,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
         out += ["--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens)]
     if args.host_attention != "off":
         out += ["--host-attention", args.host_attention]
+    if args.host_attention_gbps:
+        out += ["--host-attention-gbps", str(args.host_attention_gbps)]
     if args.speculative_policy is not None:
         out += ["--speculative-policy", args.speculative_policy]
     if args.sweep_residency:

@@ -38,9 +38,14 @@ def default_threads() -> int:
 
 
 class HostAttention:
-    def __init__(self, store: KVStore, threads: int | None = None) -> None:
+    def __init__(self, store: KVStore, threads: int | None = None,
+                 emulate_gbps: float | None = None) -> None:
         assert store.host is not None, "host attention needs a host tier"
         self.store = store
+        # host_attention_gbps: the workers together attend at most this many bytes/s (a job
+        # ends no sooner than its bytes at this rate after the host is free for it)
+        self.emulate_bps = emulate_gbps * 1e9 if emulate_gbps else 0.0
+        self._free_at = 0.0
         self.pool = ThreadPoolExecutor(threads or default_threads(),
                                        thread_name_prefix="host-attention")
         self._lock = threading.Lock()
@@ -115,6 +120,11 @@ class HostAttention:
         # K and V of every block attended, at the host tier's element size
         nbytes = 2 * sum(map(len, blocks)) * host[0, 0, 0].numel() * host.element_size()
         p = q.shape[1]
+        if self.emulate_bps:
+            with self._lock:
+                self._free_at = max(self._free_at, t0) + nbytes / self.emulate_bps
+                until = self._free_at
+            time.sleep(max(0.0, until - time.perf_counter()))
         busy = time.perf_counter() - t0
         with self._lock:
             self.bytes += nbytes

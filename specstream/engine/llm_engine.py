@@ -93,7 +93,8 @@ class LLMEngine:
         self._draft_share = (_num_params(self.proposer.model) / _num_params(self.model)
                              if isinstance(self.proposer, DraftModelProposer) else 0.0)
         if config.host_attends:
-            self.worker.host = HostAttention(self.store, config.host_attention_threads)
+            self.worker.host = HostAttention(self.store, config.host_attention_threads,
+                                             config.host_attention_gbps)
             self.scheduler.host_cost = self.worker.host.seconds_per_byte
         self._host_wait_s = self._host_serial_s = self._host_busy_s = 0.0
         self._ids = itertools.count()
@@ -249,11 +250,14 @@ class LLMEngine:
         if not decode and not prefill_tokens:
             return  # nothing was done
         self.scheduler.note_step(self._link_rate(), compute if prefill_tokens else None)
-        host_busy = 0.0
+        host_busy = host_wait = host_serial = 0.0
         if self.worker.host is not None:
-            host_busy, self._host_busy_s = (self.worker.host.busy_s - self._host_busy_s,
-                                            self.worker.host.busy_s)
-            self._note_host(plan, history, compute, decode and not prefill_tokens)
+            h = self.worker.host
+            host_busy, self._host_busy_s = h.busy_s - self._host_busy_s, h.busy_s
+            host_wait, self._host_wait_s = h.wait_s - self._host_wait_s, h.wait_s
+            host_serial, self._host_serial_s = h.serial_s - self._host_serial_s, h.serial_s
+            self._note_host(plan, history, compute, decode and not prefill_tokens, host_wait,
+                            host_serial)
         shaper = self.scheduler.shaper
         if shaper is not None and prefill_tokens:
             shaper.prior_catch_up(compute / prefill_tokens * self._draft_share)
@@ -284,17 +288,19 @@ class LLMEngine:
             tree_nodes=sum(s.num_drafts for s in plan.seqs if s.parents),
             draft_fed_tokens=sum(d.unseen for d in plan.drafts if result.drafts.get(d.request_id)),
             host_bytes=self._host_bytes(plan),
-            host_busy_s=host_busy,
+            host_busy_s=host_busy, host_wait_s=host_wait, host_serial_s=host_serial,
         ))
         if decode:
             self.tracer.add("round", "round", result.start, end)
         if shaper is not None and decode:
-            self._observe_shape(shaper, plan, result, busy, wall, bool(prefill_tokens))
+            self._observe_shape(shaper, plan, result, busy, wall - host_wait,
+                                bool(prefill_tokens))
 
     def _observe_shape(self, shaper: RoundShaper, plan: StepPlan, result: StepOutput,
                        link_s: float, wall: float, prefill: bool) -> None:
         """What a decode round measured, for the next rounds' shape (speculative_policy auto):
-        verification = the time neither blocked on the link nor drafting."""
+        verification = the time neither blocked on the link (``wall``: less any wait for the
+        host's partials) nor drafting."""
         shaper.observe_step(plan, result, link_s,
                             max(0.0, wall - result.wait_s - result.draft_s), result.draft_s,
                             prefill)
@@ -303,7 +309,8 @@ class LLMEngine:
                         result.start, depth=shape.depth, nodes=shape.num_nodes,
                         topk=shape.topk)
 
-    def _note_host(self, plan: StepPlan, streamed: int, compute: float, decode: bool) -> None:
+    def _note_host(self, plan: StepPlan, streamed: int, compute: float, decode: bool,
+                   waited: float, serial: float) -> None:
         """Host attention, after a decode round: the device time the host had nothing to do
         (for the split), and whether the round is link-bound, i.e. streaming all its cold
         history (what the host attended included) would take longer than the device's
@@ -311,8 +318,6 @@ class LLMEngine:
         share. The host's own cost per byte it measures itself."""
         host, sch = self.worker.host, self.scheduler
         assert host is not None
-        waited, self._host_wait_s = host.wait_s - self._host_wait_s, host.wait_s
-        serial, self._host_serial_s = host.serial_s - self._host_serial_s, host.serial_s
         on_host = self._host_bytes(plan)
         cold = streamed + on_host
         if not (decode and cold):  # (a step without cold history, e.g. drafts only, says nothing)

@@ -39,6 +39,8 @@ class RoundStats:
     draft_fed_tokens: int = 0  # tokens the draft caught up on before drafting (unseen ones)
     host_bytes: int = 0  # cold history attended on the host (host_attention), all layers
     host_busy_s: float = 0.0  # the host workers' time on it
+    host_wait_s: float = 0.0  # time the round waited for the host's partials
+    host_serial_s: float = 0.0  # device time of the round while the host had no job
 
 
 @dataclass
