@@ -16,6 +16,7 @@ import torch
 from specstream.backends import CpuBackend, CudaBackend, TransferError, make_backend
 from specstream.backends.base import TransferHandle
 from specstream.engine.history import ChunkStream, LayerRestore
+from specstream.engine.step import SeqWork
 from specstream.kvcache.storage import KVStore
 from specstream.models.config import ModelConfig
 
@@ -67,8 +68,9 @@ def tiny_store(backend: CpuBackend, num_layers: int = 3) -> KVStore:
 
 
 def plan(*chunks_per_seq: tuple[tuple[int, ...], ...]) -> SimpleNamespace:
-    seqs = [SimpleNamespace(request_id=str(i), restore_chunks=c,
-                            host_tokens=4 * sum(len(x) for x in c), promote=())
+    seqs = [SeqWork(request_id=str(i), token_ids=(0,), start_pos=0, num_drafts=0,
+                    prefill=False, sample=True, host_tokens=4 * sum(len(x) for x in c),
+                    device_blocks=(), restore_chunks=c)
             for i, c in enumerate(chunks_per_seq)]
     # whole-layer restores hold two layers of history in pool blocks lent to the step
     return SimpleNamespace(seqs=seqs, restore_blocks=(0, 1))
