@@ -135,6 +135,19 @@ class WaveAttention(ABC):
     def result(self) -> Tensor:  # [R, P, H, D] in q's dtype
         """The merged attention of every wave added."""
 
+    def fold(self) -> None:
+        """Merge the partials kept so far into one with its log-sum-exp (exact: the merge is
+        associative), so what comes later merges with one (the host's, while it computes)."""
+        if len(self.outs) < 2:
+            return
+        lse = torch.stack(self.lses)  # [C, ...]
+        m = finite_or_zero(lse.amax(dim=0))
+        w = torch.exp(lse - m)
+        total = w.sum(dim=0)
+        out = (torch.stack(self.outs) * w.unsqueeze(-1)).sum(dim=0)
+        out = out / total.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+        self.outs, self.lses = [out], [m + torch.log(total)]  # log 0 = -inf: saw no key
+
     def add_partial(self, out: Tensor, lse: Tensor, index: Tensor | None) -> None:
         """A partial result computed elsewhere (host attention): ``out`` ``[W, P, H, D]`` and
         ``lse`` ``[W, P, H]`` (fp32) of rows ``index`` (None: all R), over keys no wave has."""

@@ -56,17 +56,20 @@ def run_round(
             copies_issued()  # e.g. the other group's draft steps, enqueued on their stream
         for layer, block in enumerate(model.layers):
             q, k, v = block.qkv(x, cos, sin)  # q [n, heads, D]; k, v [n, kv_heads, D]
-            kv.write(layer, k, v)
             qs = [q[b.q_index].view(len(b.members), b.num_q, *q.shape[1:]) for b in kv.buckets]
-            atts = [attention(qb, kv_heads, scale) for qb in qs]
+            # the host's share first: it has had nothing to do since the last layer's partials
             jobs = [(bucket, rows, host.submit(layer, qs[bucket].index_select(0, rows), blocks,
                                                scale))
                     for bucket, rows, blocks in on_host[layer]] if host is not None else []
+            kv.write(layer, k, v)
+            atts = [attention(qb, kv_heads, scale) for qb in qs]
             for bucket, hk, hv, shape in history.waves(layer, while_waiting=gap):
                 atts[bucket].add(hk, hv, shape)
             for bucket, att in enumerate(atts):
                 for wave in kv.tail(layer, bucket, k, v):
                     att.add(*wave)
+            for bucket, _, _ in jobs:  # the device's partials merged while the host computes
+                atts[bucket].fold()
             for bucket, rows, job in jobs:  # the host's share, merged like any wave
                 assert host is not None
                 out_h, lse_h = host.collect(job)
