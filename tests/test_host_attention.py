@@ -77,9 +77,22 @@ def reference(tiny_target):
 @pytest.mark.parametrize("split", [dict(host_attention_fraction=0.5),
                                    dict(host_attention="auto", link_gbps=0.01)])
 def test_greedy_output_equals_target_only_with_host_attention(tiny_target, reference, mode,
-                                                              split):
+                                                              split, monkeypatch):
+    """Rounds with host work run their requests in two halves a layer apart (the device
+    finishes one half's layer while the host attends the other's): checked to happen."""
+    import specstream.engine.round as round_module
+
+    finish, pipelined = round_module._Halves.finish, []
+
+    def count(self, x, half, *args):
+        pipelined.append(half)
+        return finish(self, x, half, *args)
+
+    monkeypatch.setattr(round_module._Halves, "finish", count)
     spec = {} if mode in ("stream", "offload") else dict(proposer="ngram")
-    llm = LLM(tiny_target, mode=mode, **OFFLOAD, **spec, **split)
+    # room for the three requests at once (their cold history still streams: tail residency)
+    llm = LLM(tiny_target, mode=mode, **{**OFFLOAD, "device_kv_bytes": 2_000_000}, **spec,
+              **split)
     got = [o.outputs[0].token_ids for o in llm.generate(_prompts((300, 420, 200)), GREEDY,
                                                         use_tqdm=False)]
     m = llm.get_metrics()
@@ -87,6 +100,7 @@ def test_greedy_output_equals_target_only_with_host_attention(tiny_target, refer
     assert got == reference
     assert m["host_attention_bytes"] > 0 and m["host_attention_bytes_per_s"] > 0
     assert 0 < m["host_attention_share"] < 1
+    assert 1 in pipelined  # a second half ran
 
 
 def test_a_split_that_changes_every_step_stays_exact(tiny_target, reference, monkeypatch):

@@ -49,11 +49,16 @@ class Bucket:
 Wave = tuple[torch.Tensor, torch.Tensor, WaveShape]  # k, v [W, N, num_kv_heads, head_dim]
 
 
-def buckets_of(num_tokens: list[int], limit: int = DECODE_POSITIONS) -> list[list[int]]:
+def buckets_of(num_tokens: list[int], limit: int = DECODE_POSITIONS,
+               halves: bool = False) -> list[list[int]]:
     """Indices grouped into query buckets (see the module docstring); ``limit``: the most
-    positions a request of the shared bucket may have."""
+    positions a request of the shared bucket may have; ``halves``: the shared bucket as two
+    (host attention pipelines them a layer apart)."""
     small = [i for i, n in enumerate(num_tokens) if n <= limit]
     large = [[i] for i, n in enumerate(num_tokens) if n > limit]
+    if halves and len(small) > 1:
+        m = (len(small) + 1) // 2
+        return [small[:m], small[m:]] + large
     return ([small] if small else []) + large
 
 
@@ -79,7 +84,7 @@ def new_token_mask(seqs: list[SeqWork], num_q: int) -> torch.Tensor:  # [W, P, P
 
 
 class StepKV:
-    def __init__(self, plan: StepPlan, store: KVStore) -> None:
+    def __init__(self, plan: StepPlan, store: KVStore, halves: bool = False) -> None:
         self.store = store
         bs = store.block_size
         device = store.device.device
@@ -103,7 +108,7 @@ class StepKV:
         # every decode round shares a bucket (a token tree may have more positions than
         # DECODE_POSITIONS)
         limit = max([DECODE_POSITIONS] + [len(s.token_ids) for s in plan.seqs if s.num_drafts])
-        for members in buckets_of([len(s.token_ids) for s in plan.seqs], limit):
+        for members in buckets_of([len(s.token_ids) for s in plan.seqs], limit, halves):
             seqs = [plan.seqs[i] for i in members]
             p = max(len(s.token_ids) for s in seqs)
             q_index, tail_blocks, tail_len, offset = [], [], [], []

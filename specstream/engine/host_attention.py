@@ -54,11 +54,14 @@ class HostAttention:
         self.wait_s = 0.0  # time the round waited for the host's partials (``collect``)
         # seconds per KV byte against query positions per request, one point per job
         self.cost = LineFit(decay=0.98)
-        # device time of rounds with host work while the host had none: from the round's
-        # start to its first queries, and from each layer's partials to the next layer's
-        # queries (the compute thread's only: begin_round / submit / collect / end_round)
+        # device time of rounds with host work while the host had none to do because the
+        # device had not sent it yet: from the round's start, or from the partials the round
+        # last collected (whichever the host was idle since), to the next queries, while no
+        # job is pending (begin_round / submit / collect / end_round, the compute thread's)
         self.serial_s = 0.0
         self._mark: float | None = None
+        self._pending = 0  # jobs submitted and not finished
+        self._idle_since = 0.0  # when the last pending job finished
 
     @property
     def rate(self) -> float:
@@ -77,9 +80,14 @@ class HostAttention:
         self._mark = time.perf_counter()
 
     def end_round(self) -> None:
-        if self._mark is not None:
-            self.serial_s += time.perf_counter() - self._mark
-            self._mark = None
+        self._idle_until(time.perf_counter())
+        self._mark = None
+
+    def _idle_until(self, now: float) -> None:
+        """Count the host's wait for the device up to ``now``, if it has no job."""
+        with self._lock:
+            if self._mark is not None and not self._pending:
+                self.serial_s += max(0.0, now - max(self._mark, self._idle_since))
 
     def submit(self, layer: int, q: Tensor, blocks: list[tuple[int, ...]],
                scale: float) -> Future[tuple[Tensor, Tensor]]:
@@ -88,9 +96,9 @@ class HostAttention:
         ``[W, P, H]``), fp32 on the host (pinned when ``q`` is on a GPU, so they go back
         without blocking). On a GPU the queries come down on the compute stream into pinned
         memory without blocking it; the worker waits for their event, not the caller."""
-        if self._mark is not None:  # the first job of a layer: the host had none till now
-            self.serial_s += time.perf_counter() - self._mark
-            self._mark = None
+        self._idle_until(time.perf_counter())
+        with self._lock:
+            self._pending += 1
         ready = None
         if q.device.type == "cuda":
             q_host = torch.empty(q.shape, dtype=torch.float32, pin_memory=True)
@@ -114,23 +122,28 @@ class HostAttention:
         if ready is not None:
             ready.synchronize()  # the queries have landed (this thread waits, not the round)
         t0 = time.perf_counter()
-        host = self.store.host
-        assert host is not None
-        out, lse = host_partial(host, layer, q, blocks, self.store.block_size, scale)
-        # K and V of every block attended, at the host tier's element size
-        nbytes = 2 * sum(map(len, blocks)) * host[0, 0, 0].numel() * host.element_size()
-        p = q.shape[1]
-        if self.emulate_bps:
+        try:
+            host = self.store.host
+            assert host is not None
+            out, lse = host_partial(host, layer, q, blocks, self.store.block_size, scale)
+            # K and V of every block attended, at the host tier's element size
+            nbytes = 2 * sum(map(len, blocks)) * host[0, 0, 0].numel() * host.element_size()
+            if self.emulate_bps:
+                with self._lock:
+                    self._free_at = max(self._free_at, t0) + nbytes / self.emulate_bps
+                    until = self._free_at
+                time.sleep(max(0.0, until - time.perf_counter()))
+        finally:
+            busy = time.perf_counter() - t0
             with self._lock:
-                self._free_at = max(self._free_at, t0) + nbytes / self.emulate_bps
-                until = self._free_at
-            time.sleep(max(0.0, until - time.perf_counter()))
-        busy = time.perf_counter() - t0
+                self._pending -= 1
+                if not self._pending:
+                    self._idle_since = t0 + busy
         with self._lock:
             self.bytes += nbytes
             self.busy_s += busy
             if nbytes:
-                self.cost.add(p, busy / nbytes)
+                self.cost.add(q.shape[1], busy / nbytes)
         if ready is not None:  # back to the GPU without blocking the compute thread
             out, lse = out.pin_memory(), lse.pin_memory()
         return out, lse

@@ -16,6 +16,9 @@ are the root's plus their depth: siblings are alternatives for the same position
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -44,45 +47,137 @@ def run_round(
     ids_t, pos_t = upload([ids, pos], torch.long, device)  # no stream sync on a GPU
     assert ids_t is not None and pos_t is not None
     x, (cos, sin) = model.embed(ids_t, pos_t)
-    kv = StepKV(plan, store)
+    hosted = host is not None and any(s.host_blocks for s in plan.seqs)
+    kv = StepKV(plan, store, halves=hosted)
     scale, kv_heads = store.cfg.head_dim**-0.5, store.cfg.num_kv_heads
-    on_host = _host_jobs(plan, kv, len(model.layers), device) if host is not None else []
+    on_host = _host_jobs(plan, kv, len(model.layers), device) if hosted else []
+    halves = _Halves(kv, on_host, device)
     history.begin(plan, kv.groups)  # the first waves of cold history are in flight from here
-    timed = host if any(on_host) else None  # the host's idle time between layers
-    if timed is not None:
-        timed.begin_round()
+    if host is not None and hosted:
+        host.begin_round()  # the host's idle time between layers
+    proj: dict[int, _Projected] = {}  # per layer, filled half by half
+
+    def project(layer: int, half: int) -> None:
+        """The half's q, k, v of ``layer``, and its host jobs submitted at once."""
+        block, rows = model.layers[layer], halves.rows[half]
+        if rows is None:
+            q, k, v = block.qkv(x, cos, sin)  # q [n, heads, D]; k, v [n, kv_heads, D]
+            p = proj[layer] = _Projected(q, k, v, [q] * len(kv.buckets))
+        else:
+            part = block.qkv(x.index_select(0, rows), cos.index_select(0, rows),
+                             sin.index_select(0, rows))
+            if layer not in proj:
+                q, k, v = (t.new_empty((x.shape[0], *t.shape[1:])) for t in part)
+                proj[layer] = _Projected(q, k, v, [q] * len(kv.buckets))
+            p = proj[layer]
+            for full, t in zip((p.q, p.k, p.v), part, strict=True):
+                full.index_copy_(0, rows, t)
+        mine = halves.buckets[half]
+        for b in mine:
+            bucket = kv.buckets[b]
+            p.qs[b] = p.q[bucket.q_index].view(len(bucket.members), bucket.num_q, *p.q.shape[1:])
+        # the host's share first: it has had nothing to do since the last layer's partials
+        if host is not None and on_host:
+            p.jobs += [(b, r, host.submit(layer, p.qs[b].index_select(0, r), blocks, scale))
+                       for b, r, blocks in on_host[layer] if b in mine]
+
     try:
         if copies_issued is not None:
             copies_issued()  # e.g. the other group's draft steps, enqueued on their stream
+        for half in range(len(halves.buckets)):
+            project(0, half)
         for layer, block in enumerate(model.layers):
-            q, k, v = block.qkv(x, cos, sin)  # q [n, heads, D]; k, v [n, kv_heads, D]
-            qs = [q[b.q_index].view(len(b.members), b.num_q, *q.shape[1:]) for b in kv.buckets]
-            # the host's share first: it has had nothing to do since the last layer's partials
-            jobs = [(bucket, rows, host.submit(layer, qs[bucket].index_select(0, rows), blocks,
-                                               scale))
-                    for bucket, rows, blocks in on_host[layer]] if host is not None else []
+            p = proj.pop(layer)
+            k, v = p.k, p.v
             kv.write(layer, k, v)
-            atts = [attention(qb, kv_heads, scale) for qb in qs]
+            atts = [attention(qb, kv_heads, scale) for qb in p.qs]
             for bucket, hk, hv, shape in history.waves(layer, while_waiting=gap):
                 atts[bucket].add(hk, hv, shape)
             for bucket, att in enumerate(atts):
                 for wave in kv.tail(layer, bucket, k, v):
                     att.add(*wave)
-            for bucket, _, _ in jobs:  # the device's partials merged while the host computes
+            mine = p.jobs
+            for bucket, _, _ in mine:  # the device's partials merged while the host computes
                 atts[bucket].fold()
-            for bucket, rows, job in jobs:  # the host's share, merged like any wave
-                assert host is not None
-                out_h, lse_h = host.collect(job)
-                atts[bucket].add_partial(out_h.to(device, non_blocking=True),
-                                         lse_h.to(device, non_blocking=True), rows)
-            outs = [att.result().flatten(0, 1) for att in atts]  # [W * P, heads, D]
-            out = (outs[0] if len(outs) == 1 else torch.cat(outs))[kv.out_index]
-            x = block.finish(x, out)
+            # half by half: the host's partials, the rest of the layer, the next layer's
+            # queries (so the host attends one half while the device finishes the other)
+            for half, buckets in enumerate(halves.buckets):
+                for bucket, rows, job in mine:
+                    if bucket in buckets:
+                        assert host is not None
+                        out_h, lse_h = host.collect(job)
+                        atts[bucket].add_partial(out_h.to(device, non_blocking=True),
+                                                 lse_h.to(device, non_blocking=True), rows)
+                x = halves.finish(x, half, block, atts, kv)
+                if layer + 1 < len(model.layers):
+                    project(layer + 1, half)
     finally:
-        if timed is not None:
-            timed.end_round()
+        if host is not None and hosted:
+            host.end_round()
         history.end()
     return model.norm(x), kv.rows, dict(history.failed)
+
+
+@dataclass
+class _Projected:
+    """One layer's q, k, v of the step's token rows, its queries per bucket and host jobs."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    qs: list[torch.Tensor]
+    jobs: list[tuple[int, torch.Tensor, Future[tuple[torch.Tensor, torch.Tensor]]]] = field(
+        default_factory=list)
+
+
+class _Halves:
+    """The step's buckets as one group, or, with host attention over two buckets or more, two
+    groups a layer apart: the device finishes one half's layer and projects its next while the
+    host attends the other half's. Each half: its buckets, its token rows (None: all rows)."""
+
+    def __init__(self, kv: StepKV, on_host: list[list[tuple[int, torch.Tensor, Any]]],
+                 device: torch.device) -> None:
+        n = len(kv.buckets)
+        self.buckets: list[list[int]] = [list(range(n))]
+        self.rows: list[torch.Tensor | None] = [None]
+        self.out: torch.Tensor | None = None
+        if n < 2 or not any(on_host):
+            return
+        # balance the host's blocks (the first layer's) between the halves, buckets in order
+        load = [0, 0]
+        self.buckets = [[], []]
+        for b in range(n):
+            blocks = sum(len(x) for bucket, _, bl in on_host[0] if bucket == b for x in bl)
+            half = 0 if load[0] <= load[1] else 1
+            self.buckets[half].append(b)
+            load[half] += blocks + 1
+        rows = [sorted(r for b in bs for i in kv.buckets[b].members for r in range(*kv.rows[i]))
+                for bs in self.buckets]
+        self.rows = [torch.tensor(r, dtype=torch.long, device=device) for r in rows]
+        # where each bucket's outputs start in the concatenation out_index reads
+        self.base, total = [], 0
+        for bucket in kv.buckets:
+            self.base.append(total)
+            total += len(bucket.members) * bucket.num_q
+        self.total = total
+        self.out_rows = [kv.out_index.index_select(0, r) for r in self.rows if r is not None]
+
+    def finish(self, x: torch.Tensor, half: int, block: Any, atts: list[WaveAttention],
+               kv: StepKV) -> torch.Tensor:
+        """The rest of the layer for the half's rows: merged attention, projection, MLP."""
+        rows = self.rows[half]
+        if rows is None:
+            outs = [att.result().flatten(0, 1) for att in atts]  # [W * P, heads, D]
+            out = (outs[0] if len(outs) == 1 else torch.cat(outs))[kv.out_index]
+            return block.finish(x, out)  # type: ignore[no-any-return]
+        results = [(b, atts[b].result().flatten(0, 1)) for b in self.buckets[half]]
+        if half == 0 or self.out is None:  # a new layer
+            first = results[0][1]
+            self.out = first.new_empty((self.total, *first.shape[1:]))
+        for b, res in results:
+            self.out[self.base[b] : self.base[b] + res.shape[0]] = res
+        out = self.out.index_select(0, self.out_rows[half])
+        return x.index_copy(0, rows, block.finish(x.index_select(0, rows), out))
 
 
 def _host_jobs(plan: StepPlan, kv: StepKV, num_layers: int, device: torch.device
