@@ -330,8 +330,8 @@ def test_a_fresh_prompt_shares_the_bucket_of_a_tree(tiny_target, monkeypatch):
     subsets: list[int] = []
     init = attention.StepKV.__init__
 
-    def spy(self, plan, store):  # type: ignore[no-untyped-def]
-        init(self, plan, store)
+    def spy(self, plan, store, **kw):  # type: ignore[no-untyped-def]
+        init(self, plan, store, **kw)
         subsets.extend(1 for b in self.buckets
                        if b.new_shape is not None and b.tail_shape is not None
                        and b.tail_shape.index is not None)
