@@ -223,13 +223,16 @@ def test_the_bench_runs_host_attention_and_reports_its_rate(tiny_target, tiny_dr
                "--output-len", "8", "--device-kv-bytes", "900000", "--chunk-tokens", "128",
                "--block-size", "16", "--resident-tail-tokens", "32", "--residency", "tail",
                "--offload-after-tokens", "64", "--link-gbps", "0.05", "--host-attention",
-               "auto", "--json", str(out)])
+               "auto", "--host-attention-gbps", "0.5", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
     m = report["modes"]["specstream"]
     assert m["outputs_match_reference"] is True
     assert m["host_attention_bytes"] > 0 and m["host_attention_bytes_per_s"] > 0
     assert m["link_bytes_per_s"] == 0.05e9 and "--host-attention" in report["command"]
+    # the emulated host rate is a ceiling on the measured one
+    assert m["host_attention_bytes_per_s"] <= 0.5e9 * 1.001
+    assert "--host-attention-gbps" in report["command"]
 
 
 def test_the_split_lets_link_and_host_finish_together():
