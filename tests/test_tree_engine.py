@@ -49,6 +49,12 @@ MODES = {
     "parallel-spec/fill": dict(mode="parallel-spec", device_kv_bytes=1_600_000, **OFFLOAD),
     "parallel-spec/tail": dict(mode="parallel-spec", device_kv_bytes=1_600_000,
                                residency="tail", **OFFLOAD),
+    # half of the cold history attended on the host (tree queries in the host's partials),
+    # rounds in two halves a layer apart
+    "specstream/tail/host": dict(mode="specstream", device_kv_bytes=1_000_000, link_gbps=2.0,
+                                 residency="tail", host_attention_fraction=0.5, **OFFLOAD),
+    "offload-spec/fill/host": dict(mode="offload-spec", device_kv_bytes=1_600_000,
+                                   host_attention_fraction=0.5, **OFFLOAD),
 }
 
 
@@ -280,7 +286,17 @@ def test_accepted_per_pos_counts_by_depth() -> None:
 
 # ---- the engine: exact output in every mode ----------------------------------------------
 @pytest.mark.parametrize("setting", list(MODES))
-def test_tree_greedy_output_equals_target_only(tiny_target, prompts, reference, setting):
+def test_tree_greedy_output_equals_target_only(tiny_target, prompts, reference, setting,
+                                               monkeypatch):
+    import specstream.engine.round as round_module
+
+    finish, halves = round_module._Halves.finish, []
+
+    def count(self, x, half, *args):  # type: ignore[no-untyped-def]
+        halves.append(half)
+        return finish(self, x, half, *args)
+
+    monkeypatch.setattr(round_module._Halves, "finish", count)
     oracle = _oracle(prompts, reference, chain_share=0.2)  # chains and trees in one round
     tokens, m = _run(tiny_target, prompts, GREEDY, oracle, **MODES[setting], **TREE)
     assert tokens == reference
@@ -293,6 +309,8 @@ def test_tree_greedy_output_equals_target_only(tiny_target, prompts, reference, 
     if setting != "resident":
         assert m["link_bytes_h2d"] > 0  # history really crossed the link
         assert m["device_kv_peak_bytes"] <= MODES[setting]["device_kv_bytes"]
+    if setting.endswith("/host"):
+        assert m["host_attention_bytes"] > 0 and 1 in halves  # a second half ran
 
 
 def test_every_piece_of_the_tree_round_is_needed(tiny_target, prompts, reference, monkeypatch):
