@@ -11,6 +11,13 @@ layer runs. Verification (``worker.py``) reads the returned hidden states.
 
 A token tree's nodes take the KV slots after the root in node order, but their positions (RoPE)
 are the root's plus their depth: siblings are alternatives for the same position.
+
+Host attention (``SeqWork.host_blocks``): a layer's queries go to the host's workers right
+after its projection, and their partials merge like any wave. A round with host work and two
+query buckets or more runs them as two halves a layer apart: once a layer's waves and tails
+are in, the device takes half 0's partials, finishes its layer and projects its next queries
+(the host attends half 1's meanwhile), then does the same for half 1 (the host attends half
+0's next layer meanwhile), so the host does not sit through the device's work between layers.
 """
 
 from __future__ import annotations
