@@ -8,13 +8,14 @@ those blocks, straight from the host tier (``KVStore.host``, no copy), as output
 log-sum-exp per query row; the round merges them into the same online softmax as the streamed
 waves and the resident tail (``WaveAttention.add_partial``), exactly.
 
-The scheduler decides the split (``Scheduler._host_split``): a fixed share of every request's
-cold chunks (``host_attention_fraction``), or under ``host_attention="auto"`` the split that
-lets the host and the link finish together, from the link rate and what this worker measures:
-its time per byte of KV as a line in the query positions per request (``cost``: a decode
-round's few positions read memory, a prefill chunk's hundreds compute), and the device time
-of a round during which the host can have nothing to do (``serial_s``: a layer's queries come
-only after its projection, and the layer's MLP waits for the host's partials).
+The scheduler decides the split (``Scheduler._host_counts``, ``engine/host_split.py``): a
+fixed share of every request's cold chunks (``host_attention_fraction``), or under
+``host_attention="auto"`` the split that lets the host and the link finish together, from the
+link rate and what this worker measures: its time per byte of KV as a line in the query
+positions per request (``cost``: a decode round's few positions read memory, a prefill
+chunk's hundreds compute), and the device time of a round during which the host can have
+nothing to do (``serial_s``: a layer's queries come only after its projection, and the
+layer's MLP waits for the host's partials; the round's two halves hide most of it).
 """
 
 from __future__ import annotations
@@ -68,12 +69,16 @@ class HostAttention:
         """Host attention bytes/s measured so far (0: nothing measured)."""
         return self.bytes / self.busy_s if self.busy_s else 0.0
 
+    def cost_line(self) -> tuple[float, float]:
+        """The host's seconds per KV byte as (fixed, per query position of a request), from
+        the jobs measured so far ((0, 0): nothing measured)."""
+        with self._lock:  # the workers add to the fit
+            return self.cost.coef() if self.cost.n else (0.0, 0.0)
+
     def seconds_per_byte(self, positions: int) -> float:
-        """The host's time per KV byte for requests of ``positions`` query positions, from
-        the jobs measured so far (0: nothing measured)."""
-        if not self.cost.n:
-            return 0.0
-        a, b = self.cost.coef()
+        """The host's time per KV byte for requests of ``positions`` query positions (0:
+        nothing measured)."""
+        a, b = self.cost_line()
         return a + b * positions
 
     def begin_round(self) -> None:

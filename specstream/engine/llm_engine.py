@@ -329,8 +329,8 @@ class LLMEngine:
         if sch.shaper is not None:  # the round-shape policy weighs shapes with the split
             verified = sum(1 for s in plan.seqs if s.sample and not s.prefill)
             sch.shaper.observe_host(cold / max(1, verified), self._link_rate(),
-                                    host.cost.coef() if host.cost.n and sch.host_pays
-                                    else (0.0, 0.0), sch.host_serial_s)
+                                    host.cost_line() if sch.host_pays else (0.0, 0.0),
+                                    sch.host_serial_s)
 
     def _host_bytes(self, plan: StepPlan) -> int:
         """KV bytes the step attended on the host (host_attention)."""

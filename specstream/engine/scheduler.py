@@ -36,6 +36,7 @@ from specstream.spec.round_shape import Shape
 # the host have both been measured
 UNMEASURED_HOST_SHARE = 0.25
 
+
 @dataclass
 class _Reservation:
     device_blocks: int  # the steady tail
