@@ -41,10 +41,7 @@ import threading
 import torch
 from torch import Tensor
 
-# torch >= 2.3 on CPU: flash attention that also returns the log-sum-exp (the overload itself,
-# so a call skips the overload resolution)
-_CPU_FLASH = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu",
-                             None), "default", None)
+from specstream.attention.streamed import CPU_FLASH, merge_all
 
 # A request with at most this many bytes of K is gathered whole (K and V into the scratch, one
 # kernel call); a bigger one is attended in place, one call per run of consecutive ids, merged.
@@ -99,7 +96,7 @@ def _request(kv_layer: Tensor, q: Tensor, ids: tuple[int, ...],
             out, lse = _attend(q, kv_layer[0, b0:b0 + n], kv_layer[1, b0:b0 + n], scale)
             outs.append(out)
             lses.append(lse)
-        return _merge(outs, lses)
+        return merge_all(outs, lses)
     k, v = _gather(kv_layer, runs)
     return _attend(q, k, v, scale)
 
@@ -145,19 +142,9 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tens
     kv, d = q.shape[1], q.shape[3]
     kt = k.reshape(-1, kv, d).permute(1, 0, 2).unsqueeze(0)  # [1, kv, N, D], a view
     vt = v.reshape(-1, kv, d).permute(1, 0, 2).unsqueeze(0)
-    if _CPU_FLASH is not None:
-        out, lse = _CPU_FLASH(q, kt, vt, 0.0, False, scale=scale)
+    if CPU_FLASH is not None:
+        out, lse = CPU_FLASH(q, kt, vt, 0.0, False, scale=scale)
         return out, lse
     s = torch.matmul(q, kt.transpose(-1, -2)).mul_(scale)  # [1, kv, rows, N]
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(s.sub_(lse.unsqueeze(-1)).exp_(), vt), lse
-
-
-def _merge(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """Exact merge of partials over disjoint keys (each saw at least one key)."""
-    if len(outs) == 1:
-        return outs[0], lses[0]
-    stacked = torch.stack(lses)  # [C, 1, kv, rows]
-    lse = torch.logsumexp(stacked, dim=0)
-    weight = torch.exp(stacked - lse).unsqueeze(-1)  # [C, 1, kv, rows, 1]
-    return (torch.stack(outs) * weight).sum(dim=0), lse

@@ -25,6 +25,10 @@ from torch import Tensor
 from specstream.attention.reference import gqa_group
 
 NEG_INF = float("-inf")
+# torch >= 2.3 on CPU: flash attention that also returns the log-sum-exp (one op per wave or
+# host job); the overload itself, not the packet, so a call skips the overload resolution
+CPU_FLASH = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu",
+                            None), "default", None)
 
 
 def finite_or_zero(m: Tensor) -> Tensor:
@@ -89,6 +93,21 @@ def merge_partials(
     safe = total.clamp_min(torch.finfo(torch.float32).tiny)
     out = out_a.float() * (w_a / safe).unsqueeze(-1) + out_b.float() * (w_b / safe).unsqueeze(-1)
     return out, m + torch.log(total)
+
+
+def merge_all(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Exact merge of any number of partial results over disjoint keys, all fp32 and the same
+    shape (``outs`` ``[..., D]``, ``lses`` ``[...]``): the merged output and its log-sum-exp.
+    Rows no partial saw come out 0 with lse -inf."""
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    lse = torch.stack(lses)  # [C, ...]
+    m = finite_or_zero(lse.amax(dim=0))
+    w = torch.exp(lse - m)  # [C, ...]; 0 for partials that saw no key
+    total = w.sum(dim=0)
+    out = (torch.stack(outs) * w.unsqueeze(-1)).sum(dim=0)
+    out = out / total.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+    return out, m + torch.log(total)  # log 0 = -inf: saw no key
 
 
 class AttentionAccumulator:

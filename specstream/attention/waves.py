@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from specstream.attention.reference import gqa_group
-from specstream.attention.streamed import finite_or_zero
+from specstream.attention.streamed import CPU_FLASH, finite_or_zero, merge_all
 from specstream.attention.triton_wave import (
     triton_available,
     visible_keys,
@@ -35,10 +35,6 @@ from specstream.backends.base import upload
 from specstream.registry import Registry
 
 NEG_INF = float("-inf")
-# torch >= 2.3 on CPU: flash attention that also returns the log-sum-exp (one op per wave);
-# the overload itself, not the packet, so a call skips the overload resolution
-_CPU_FLASH = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu",
-                             None), "default", None)
 
 
 @dataclass
@@ -102,18 +98,6 @@ class WaveShape:
             (group, num_q, num_k)]
 
 
-def merge(outs: list[Tensor], lses: list[Tensor]) -> Tensor:
-    """Exact merge of partial results over disjoint keys: ``outs`` ``[..., D]`` and ``lses``
-    ``[...]``, all fp32 and the same shape. Rows no partial saw come out 0."""
-    if len(outs) == 1:
-        return outs[0]
-    lse = torch.stack(lses)  # [C, ...]
-    m = finite_or_zero(lse.amax(dim=0))
-    w = torch.exp(lse - m)  # [C, ...]; 0 for partials that saw no key
-    acc = (torch.stack(outs) * w.unsqueeze(-1)).sum(dim=0)
-    return acc / w.sum(dim=0).clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
-
-
 class WaveAttention(ABC):
     """The query positions of one bucket of requests (``q`` ``[R, P, H, D]``, padded) over any
     number of waves of keys, in any order."""
@@ -138,15 +122,9 @@ class WaveAttention(ABC):
     def fold(self) -> None:
         """Merge the partials kept so far into one with its log-sum-exp (exact: the merge is
         associative), so what comes later merges with one (the host's, while it computes)."""
-        if len(self.outs) < 2:
-            return
-        lse = torch.stack(self.lses)  # [C, ...]
-        m = finite_or_zero(lse.amax(dim=0))
-        w = torch.exp(lse - m)
-        total = w.sum(dim=0)
-        out = (torch.stack(self.outs) * w.unsqueeze(-1)).sum(dim=0)
-        out = out / total.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
-        self.outs, self.lses = [out], [m + torch.log(total)]  # log 0 = -inf: saw no key
+        if len(self.outs) > 1:
+            out, lse = merge_all(self.outs, self.lses)
+            self.outs, self.lses = [out], [lse]
 
     def add_partial(self, out: Tensor, lse: Tensor, index: Tensor | None) -> None:
         """A partial result computed elsewhere (host attention): ``out`` ``[W, P, H, D]`` and
@@ -183,8 +161,8 @@ class TorchWaves(WaveAttention):
             k, v = k.float(), v.float()
         kt, vt = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)  # [W, kv, N, D]
         mask = shape.folded_mask(self.group, self.num_q, k.shape[1])
-        if _CPU_FLASH is not None and q.device.type == "cpu":
-            out, lse = _CPU_FLASH(q, kt, vt, 0.0, False, attn_mask=mask, scale=self.scale)
+        if CPU_FLASH is not None and q.device.type == "cpu":
+            out, lse = CPU_FLASH(q, kt, vt, 0.0, False, attn_mask=mask, scale=self.scale)
             empty = shape.empty_rows(self.group, self.num_q, k.shape[1])
             if empty is not None:  # the kernel gives such rows lse 0: they must weigh nothing
                 lse = lse.masked_fill(empty, NEG_INF)
@@ -204,7 +182,7 @@ class TorchWaves(WaveAttention):
         self._keep(out, lse, index)
 
     def result(self) -> Tensor:
-        out = merge(self.outs, self.lses)  # [R, kv, group * P, D]
+        out = merge_all(self.outs, self.lses)[0]  # [R, kv, group * P, D]
         r, kv, g, p, d = self.num_rows, self.num_kv_heads, self.group, self.num_q, self.head_dim
         return out.view(r, kv, g, p, d).permute(0, 3, 1, 2, 4).reshape(
             r, p, kv * g, d).to(self.out_dtype)
@@ -230,7 +208,7 @@ class TritonWaves(WaveAttention):
         self._keep(out, lse, shape.index)
 
     def result(self) -> Tensor:
-        return merge(self.outs, self.lses).to(self.out_dtype)
+        return merge_all(self.outs, self.lses)[0].to(self.out_dtype)
 
 
 def _masked_torch(q: Tensor, k: Tensor, v: Tensor, scale: float,

@@ -146,8 +146,7 @@ class LayerRestore(HistorySource):
 
     def _blocks(self, layer: int, index: int) -> tuple[int, ...]:
         """The history blocks of request ``index`` that ``layer`` restores."""
-        s = self.plan.seqs[index]
-        return tuple(b for c in s.layer_chunks(layer, max(1, len(s.host_blocks))) for b in c)
+        return self.plan.seqs[index].layer_link_blocks(layer)
 
     def _issue(self, layer: int) -> None:
         if layer >= self.store.cfg.num_layers or not self.total_blocks:

@@ -63,6 +63,7 @@ class HostAttention:
         self._mark: float | None = None
         self._pending = 0  # jobs submitted and not finished
         self._idle_since = 0.0  # when the last pending job finished
+        self._last = (0.0, 0.0, 0.0)  # busy_s, wait_s, serial_s at the last ``since_last``
 
     @property
     def rate(self) -> float:
@@ -80,6 +81,13 @@ class HostAttention:
         nothing measured)."""
         a, b = self.cost_line()
         return a + b * positions
+
+    def since_last(self) -> tuple[float, float, float]:
+        """Busy, wait and serial seconds since the last call (one step's, called per step)."""
+        now = (self.busy_s, self.wait_s, self.serial_s)
+        delta = tuple(a - b for a, b in zip(now, self._last, strict=True))
+        self._last = now
+        return delta[0], delta[1], delta[2]
 
     def begin_round(self) -> None:
         self._mark = time.perf_counter()

@@ -16,6 +16,8 @@ class RuntimeLayout:
     block_size: int
     block_bytes: int
     layer_token_bytes: int
+    # The target's layers (a block holds one slot of each; host attention splits by layer).
+    num_layers: int
     # KV blocks of the device pool (tails) and of the host tier (offloaded history).
     num_device_blocks: int
     num_host_blocks: int
@@ -51,6 +53,7 @@ class RuntimeLayout:
             block_size=config.block_size,
             block_bytes=block_bytes,
             layer_token_bytes=layer_token_bytes,
+            num_layers=model.num_layers,
             num_device_blocks=num_device_blocks,
             num_host_blocks=config.host_kv_bytes // block_bytes if mode.offload else 0,
             history_reserve_bytes=history_reserve,

@@ -96,7 +96,6 @@ class LLMEngine:
             self.worker.host = HostAttention(self.store, config.host_attention_threads,
                                              config.host_attention_gbps)
             self.scheduler.host_cost = self.worker.host.seconds_per_byte
-        self._host_wait_s = self._host_serial_s = self._host_busy_s = 0.0
         self._ids = itertools.count()
         self.stats = EngineStats(accepted_per_pos=[0] * max(1, config.q))
         # The newest decode steps, and steps that only prefilled (bounded: a server runs for
@@ -251,13 +250,11 @@ class LLMEngine:
             return  # nothing was done
         self.scheduler.note_step(self._link_rate(), compute if prefill_tokens else None)
         host_busy = host_wait = host_serial = 0.0
+        host_bytes = self._host_bytes(plan)
         if self.worker.host is not None:
-            h = self.worker.host
-            host_busy, self._host_busy_s = h.busy_s - self._host_busy_s, h.busy_s
-            host_wait, self._host_wait_s = h.wait_s - self._host_wait_s, h.wait_s
-            host_serial, self._host_serial_s = h.serial_s - self._host_serial_s, h.serial_s
-            self._note_host(plan, history, compute, decode and not prefill_tokens, host_wait,
-                            host_serial)
+            host_busy, host_wait, host_serial = self.worker.host.since_last()
+            self._note_host(plan, history, host_bytes, compute, decode and not prefill_tokens,
+                            host_wait, host_serial)
         shaper = self.scheduler.shaper
         if shaper is not None and prefill_tokens:
             shaper.prior_catch_up(compute / prefill_tokens * self._draft_share)
@@ -287,7 +284,7 @@ class LLMEngine:
             history_floor_bytes=history_floor,
             tree_nodes=sum(s.num_drafts for s in plan.seqs if s.parents),
             draft_fed_tokens=sum(d.unseen for d in plan.drafts if result.drafts.get(d.request_id)),
-            host_bytes=self._host_bytes(plan),
+            host_bytes=host_bytes,
             host_busy_s=host_busy, host_wait_s=host_wait, host_serial_s=host_serial,
         ))
         if decode:
@@ -309,8 +306,8 @@ class LLMEngine:
                         result.start, depth=shape.depth, nodes=shape.num_nodes,
                         topk=shape.topk)
 
-    def _note_host(self, plan: StepPlan, streamed: int, compute: float, decode: bool,
-                   waited: float, serial: float) -> None:
+    def _note_host(self, plan: StepPlan, streamed: int, on_host: int, compute: float,
+                   decode: bool, waited: float, serial: float) -> None:
         """Host attention, after a decode round: the device time the host had nothing to do
         (for the split), and whether the round is link-bound, i.e. streaming all its cold
         history (what the host attended included) would take longer than the device's
@@ -318,7 +315,6 @@ class LLMEngine:
         share. The host's own cost per byte it measures itself."""
         host, sch = self.worker.host, self.scheduler
         assert host is not None
-        on_host = self._host_bytes(plan)
         cold = streamed + on_host
         if not (decode and cold):  # (a step without cold history, e.g. drafts only, says nothing)
             return
@@ -334,7 +330,7 @@ class LLMEngine:
 
     def _host_bytes(self, plan: StepPlan) -> int:
         """KV bytes the step attended on the host (host_attention)."""
-        layers = self.model_config.num_layers
+        layers = self.layout.num_layers
         return sum(s.host_bytes(self.store.block_bytes, layers) for s in plan.seqs)
 
     def _link_rate(self) -> float:

@@ -129,7 +129,7 @@ class Scheduler:
         return cls(config, kv, restore_layers=layout.restore_layers,
                    max_model_len=layout.max_model_len, eos_token_ids=layout.eos_token_ids,
                    decode=decode, history_token_bytes=layout.block_bytes // config.block_size,
-                   num_layers=layout.block_bytes // (config.block_size * layout.layer_token_bytes))
+                   num_layers=layout.num_layers)
 
     # ---- admission ----------------------------------------------------------------------
     @property

@@ -56,13 +56,17 @@ class SeqWork:
         return self.host_blocks[: self.host_layers[layer]] if self.host_layers else (
             self.host_blocks)
 
+    def layer_link_blocks(self, layer: int) -> tuple[int, ...]:
+        """The blocks of ``layer`` that cross the link, oldest first."""
+        spilled = self.host_blocks[self.host_layers[layer] :] if self.host_layers else ()
+        return spilled + tuple(b for c in self.restore_chunks for b in c)
+
     def layer_chunks(self, layer: int, per_chunk: int) -> tuple[tuple[int, ...], ...]:
         """The blocks of ``layer`` that cross the link, in chunks of ``per_chunk`` blocks
         (every chunk full but the last, as restore_chunks)."""
         if not self.host_layers or self.host_layers[layer] == len(self.host_blocks):
             return self.restore_chunks
-        blocks = self.host_blocks[self.host_layers[layer] :] + tuple(
-            b for c in self.restore_chunks for b in c)
+        blocks = self.layer_link_blocks(layer)
         return tuple(blocks[i : i + per_chunk] for i in range(0, len(blocks), per_chunk))
 
     @property
