@@ -128,6 +128,7 @@ def test_a_specstream_decode_round_reads_back_once(tiny_target, tiny_draft, monk
     results home in one read-back: the verified tokens and counts and the new drafts together.
     Counted as reads of tensor values (.tolist/.item/.cpu/int()/bool()) during Worker.run."""
     llm = LLM(tiny_target, mode="specstream", draft_model=tiny_draft, device_kv_bytes=2_000_000,
+              speculative_policy="fixed",  # drafts every round, whatever a loaded machine times
               **dict(OFFLOAD, max_prefill_tokens=2048))
     eng = llm.engine
     for p in _prompts((300, 280, 260, 240)):
