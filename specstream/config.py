@@ -70,12 +70,21 @@ def default_offload_after(max_model_len: int) -> int:
     return max(1, min(8192, max_model_len // 4))
 
 
+def detect_device() -> str:
+    """``device="auto"``: "cuda" when this torch sees a CUDA device, else "cpu"."""
+    import torch  # here, not at import: the scheduler and its tests stay torch-free
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine is built from. Facts found at run time live in the engine."""
 
     mode: str = "resident"
-    device: str = "cpu"
+    # "cpu", "cuda" / "cuda:N", or "auto" (the default, as vLLM's): CUDA when this torch sees a
+    # CUDA device, else cpu; resolved once, here.
+    device: str = "auto"
     dtype: str = "auto"
     # KV blocks: tokens per block in both tiers.
     block_size: int = 128
@@ -162,6 +171,11 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.device == "auto":  # normalised here, the one place a frozen dataclass may set
+            object.__setattr__(self, "device", detect_device())  # its fields
+        if not isinstance(self.device, str) or not (
+                self.device == "cpu" or self.device.split(":")[0] == "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose from {sorted(MODES)}")
         positive = ("block_size", "host_kv_bytes", "chunk_tokens", "staging_buffers",

@@ -94,6 +94,20 @@ class Request:
         return "length" if len(self.output_token_ids) >= params.max_tokens else None
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability at one position (vLLM's ``Logprob``)."""
+
+    logprob: float  # the target's raw log-softmax
+    rank: int  # 1 = the most likely token at that position
+    decoded_token: str | None = None  # the token's own text (None without a tokenizer)
+
+
+# Per position: the chosen token's Logprob and those of the most likely tokens, by token id
+# (vLLM's SampleLogprobs / PromptLogprobs: a list, one dict per position).
+PositionLogprobs = dict[int, Logprob]
+
+
 @dataclass
 class CompletionOutput:
     """One generated sequence (vLLM-like)."""
@@ -102,6 +116,12 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
+    # SamplingParams.logprobs: one dict per generated token (None when not asked for).
+    logprobs: list[PositionLogprobs] | None = None
+    # The sum of the generated tokens' log-probabilities (None without logprobs).
+    cumulative_logprob: float | None = None
+    # What stopped it: the stop string or the stop token id (None for eos and length).
+    stop_reason: int | str | None = None
     # Speculation counters of this request.
     num_proposed_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -127,3 +147,7 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     # Tokens whose KV is in the cache (prompt and output): prefill progress of a long prompt.
     num_computed_tokens: int = 0
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Prompt tokens found in the prefix cache (not prefilled).
+    num_cached_tokens: int = 0
