@@ -135,6 +135,9 @@ class EngineConfig:
     # Emulated link bandwidth (GB/s) for the cpu backend; None = copies at memory speed.
     link_gbps: float | None = None
     max_num_seqs: int = 64
+    # Longest prompt + output a request may have (vLLM's max_model_len); None: the model's
+    # context (max_position_embeddings). A larger value than the model's is refused.
+    max_model_len: int | None = None
     # Tokens of prefill a step may carry (prefill is chunked by this).
     max_prefill_tokens: int = 1024
     # Draft tokens per round (q); None: DEFAULT_SPECULATIVE_TOKENS with a proposer, else 0.
@@ -183,6 +186,8 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.device_kv_bytes is not None and self.device_kv_bytes <= 0:
             raise ValueError(f"device_kv_bytes must be > 0, got {self.device_kv_bytes}")
         if self.resident_tail_tokens < 0 or (self.offload_after_tokens or 0) < 0:

@@ -49,6 +49,12 @@ class RuntimeLayout:
                 f"device_kv_bytes={budget} leaves {num_device_blocks} KV blocks of "
                 f"{block_bytes} bytes after {history_reserve} bytes of staging; raise it")
         max_len = model.max_position_embeddings
+        if config.max_model_len is not None:
+            if config.max_model_len > max_len:
+                raise ValueError(
+                    f"max_model_len={config.max_model_len} is longer than the model's context "
+                    f"of {max_len} tokens (max_position_embeddings)")
+            max_len = config.max_model_len
         return cls(
             block_size=config.block_size,
             block_bytes=block_bytes,
