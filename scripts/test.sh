@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# Set up, lint, run the test suite. Fails when pytest runs no test (exit code 5).
+# Set up (the project's virtual environment with the dev extra), lint, type-check, run the test
+# suite in that environment. Fails when pytest runs no test (exit code 5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh dev
+venv="${SPECSTREAM_VENV:-.venv}"
+set +u  # activate reads unset variables
+# shellcheck disable=SC1091
+. "$venv/bin/activate"
+set -u
 ruff check .
 # type-check the engine core (scheduler, step contract, worker, round, KV manager, config,
 # offline API) with the flags of --strict (pyproject.toml's [[tool.mypy.overrides]])
 mypy specstream/engine specstream/kvcache specstream/config.py specstream/llm.py \
     specstream/registry.py
 set +e
-python3 -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -q -p no:cacheprovider "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
