@@ -7,11 +7,13 @@ template is rendered with Jinja2 in a sandbox with the globals and filters trans
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 
 def _token_str(value: Any) -> str | None:
@@ -56,6 +58,13 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str | None]:
+        """An incremental decoder (tokenizers' DecodeStream): called with each next token id,
+        it returns the text that token adds (None while it ends inside a character), decoding
+        only a few tokens each time; the pieces join to ``decode`` of all the ids."""
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        return lambda token_id: stream.step(self._tok, token_id)
 
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
