@@ -290,7 +290,7 @@ def test_32_concurrent_streams_equal_offline(server: LiveServer, offline: LLM) -
     ({"model": MODEL, "prompt": list(range(5, 2100))}, 400, "prompt"),
     ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
     ({"model": MODEL, "prompt": "x", "foo": 1}, 400, "foo"),
-    ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),  # 0..20 are served
     ({"model": MODEL, "prompt": [99999]}, 400, None),
     ({"model": MODEL, "prompt": "x" * 30_000}, 413, None),
     # lone surrogates are valid JSON escapes but not Unicode (were a plain-text 500)
@@ -386,8 +386,10 @@ def test_speculative_config_maps_to_the_engine_flags(config: str, flags: list[st
     (["--speculative-config", "[1]"], "must be a JSON object"),
     (["--speculative-config", '{"method": "eagle"}'], "unknown method 'eagle'"),
     (["--speculative-config", '{"num_speculative_tokens": 4}'], 'give "method"'),
-    (["--speculative-config", '{"method": "ngram", "prompt_lookup_max": 4}'],
-     "unknown key(s) 'prompt_lookup_max'"),
+    (["--speculative-config", '{"method": "ngram", "prompt_lookup_max": 5}'],
+     "prompt_lookup_max 5 cannot be honoured"),  # 4, the proposer's own, is accepted
+    (["--speculative-config", '{"method": "ngram", "prompt_lookup_maximum": 4}'],
+     "unknown key(s) 'prompt_lookup_maximum'"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
      "num_speculative_tokens"),
     (["--speculative-config", '{"method": "ngram", "model": "d"}'], "takes no"),
