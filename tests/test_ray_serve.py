@@ -79,25 +79,26 @@ def test_replica_metrics_are_summed_into_one_exposition() -> None:
     snaps = [{"replica": "r1", "host_kv_free_bytes": 7, "running": 1, "finished": 2},
              {"replica": "r2", "host_kv_free_bytes": 9, "running": 0, "finished": 5}]
     m = parse_metrics(exporter.render([one, two], pool_metrics(exporter, pool, snaps)).decode())
-    assert m["specstream_spec_decode_num_draft_tokens_total"] == 30
-    assert m["specstream_spec_decode_num_accepted_tokens_total"] == 16
+    assert m["vllm:spec_decode_num_draft_tokens_total"] == 30
+    assert m["vllm:spec_decode_num_accepted_tokens_total"] == 16
     # positions only one replica has stay, sums per position
-    assert [m[f'specstream_spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}']
+    assert [m[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}']
             for i in range(3)] == [11, 4, 1]
-    assert m["specstream_spec_acceptance_rate"] == pytest.approx(16 / 30)  # of the sums
-    assert m['specstream_kv_cache_usage_perc{tier="device"}'] == pytest.approx(20 / 40)
-    assert m['specstream_link_bytes_total{direction="h2d"}'] == 2 * (2**40 + 1)  # exact
-    assert m['specstream_requests_finished_total{finish_reason="stop"}'] == 3
-    assert m['specstream_requests_finished_total{finish_reason="length"}'] == 4
-    assert m["specstream_link_utilisation"] == pytest.approx(0.6)  # ratios: averaged
-    assert m["specstream_requests_pending_admission"] == 2
-    assert m["specstream_time_to_first_token_seconds_count"] == 2
-    assert m["specstream_ray_replicas"] == 2
-    assert m['specstream_ray_requests_routed_total{replica="r2"}'] == 5
-    assert m['specstream_ray_replica_requests_finished_total{replica="r1"}'] == 2
+    assert m["specstream:spec_acceptance_rate"] == pytest.approx(16 / 30)  # of the sums
+    assert m['specstream:kv_cache_usage_perc{tier="device"}'] == pytest.approx(20 / 40)
+    assert m["vllm:kv_cache_usage_perc"] == pytest.approx(20 / 40)
+    assert m['specstream:link_bytes_total{direction="h2d"}'] == 2 * (2**40 + 1)  # exact
+    assert m['vllm:request_success_total{finished_reason="stop"}'] == 3
+    assert m['vllm:request_success_total{finished_reason="length"}'] == 4
+    assert m["specstream:link_utilisation"] == pytest.approx(0.6)  # ratios: averaged
+    assert m["specstream:requests_pending_admission"] == 2
+    assert m["vllm:time_to_first_token_seconds_count"] == 2
+    assert m["specstream:ray_replicas"] == 2
+    assert m['specstream:ray_requests_routed_total{replica="r2"}'] == 5
+    assert m['specstream:ray_replica_requests_finished_total{replica="r1"}'] == 2
     # no replica answered: the ingress's own series still render
     assert parse_metrics(exporter.render([], pool_metrics(exporter, pool, [])).decode())[
-        "specstream_ray_replicas"] == 0
+        "specstream:ray_replicas"] == 0
 
 
 def test_speculative_config_reaches_the_replicas(tmp_path: Path) -> None:
@@ -330,13 +331,13 @@ def test_requests_spread_over_both_replicas(cluster: RayServer, offline: LLM) ->
     assert len(ids) == 2 and {replica for _, replica in results} == ids
     m = cluster.metrics()
     for rid in ids:
-        assert m[f'specstream_ray_replica_requests_finished_total{{replica="{rid}"}}'] > 0
-        assert m[f'specstream_ray_requests_routed_total{{replica="{rid}"}}'] > 0
-    assert m["specstream_ray_replicas"] == 2
-    per_replica = sum(m[f'specstream_ray_replica_requests_finished_total{{replica="{r}"}}']
+        assert m[f'specstream:ray_replica_requests_finished_total{{replica="{rid}"}}'] > 0
+        assert m[f'specstream:ray_requests_routed_total{{replica="{rid}"}}'] > 0
+    assert m["specstream:ray_replicas"] == 2
+    per_replica = sum(m[f'specstream:ray_replica_requests_finished_total{{replica="{r}"}}']
                       for r in ids)
-    assert m['specstream_requests_finished_total{finish_reason="length"}'] \
-        + m.get('specstream_requests_finished_total{finish_reason="stop"}', 0) == per_replica
+    assert m['vllm:request_success_total{finished_reason="length"}'] \
+        + m.get('vllm:request_success_total{finished_reason="stop"}', 0) == per_replica
     assert httpx.get(cluster.url + "/health").json() == {"status": "ok", "replicas": 2}
 
 
@@ -424,6 +425,6 @@ def test_killing_a_replica_loses_no_request_that_had_not_started(
         else:
             assert log["error"] is None
     m = cluster.metrics()
-    failed_on = {k for k, v in m.items() if k.startswith("specstream_ray_replica_fail") and v}
-    assert failed_on == {f'specstream_ray_replica_failures_total{{replica="{victim}"}}'}
-    assert m["specstream_ray_retries_total"] <= len(short)
+    failed_on = {k for k, v in m.items() if k.startswith("specstream:ray_replica_fail") and v}
+    assert failed_on == {f'specstream:ray_replica_failures_total{{replica="{victim}"}}'}
+    assert m["specstream:ray_retries_total"] <= len(short)

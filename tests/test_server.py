@@ -134,7 +134,7 @@ def offline(chat_model: Path) -> Iterator[LLM]:
 def parse_metrics(text: str, model: str = MODEL) -> dict[str, float]:
     """Prometheus text (parsed by prometheus-client, so it must be valid) as a dict keyed
     ``name{label="value",...}``, labels sorted; every sample must carry ``model_name=model``,
-    which the keys leave out."""
+    which the keys leave out, as they leave out vLLM's ``engine`` label (always "0" here)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = {}
@@ -142,6 +142,7 @@ def parse_metrics(text: str, model: str = MODEL) -> dict[str, float]:
         for s in family.samples:
             labels = dict(s.labels)
             assert labels.pop("model_name", None) == model, s
+            assert labels.pop("engine", "0") == "0", s
             inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
             out[s.name + (f"{{{inner}}}" if inner else "")] = s.value
     return out
@@ -164,37 +165,37 @@ def test_models_health_metrics(server: LiveServer) -> None:
     r = httpx.get(server.url + "/metrics")
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
     m = parse_metrics(r.text)  # valid Prometheus text, every series labelled with the model
-    for name in ("specstream_requests_running", "specstream_kv_host_used_bytes",
-                 "specstream_generation_tokens_per_second", "specstream_spec_acceptance_rate",
-                 "specstream_spec_mean_accepted_len", "specstream_link_utilisation",
-                 'specstream_link_bytes_total{direction="h2d"}',
-                 'specstream_link_bytes_total{direction="d2h"}',
-                 'specstream_time_to_first_token_seconds_bucket{le="+Inf"}',
-                 "specstream_link_bytes_per_round", "specstream_link_bytes_floor_per_round",
-                 "specstream_device_kv_utilization", "specstream_spec_decode_tree_nodes_total",
-                 "specstream_spec_decode_tree_rounds_total"):
+    for name in ("vllm:num_requests_running", "specstream:kv_host_used_bytes",
+                 "specstream:generation_tokens_per_second", "specstream:spec_acceptance_rate",
+                 "specstream:spec_mean_accepted_len", "specstream:link_utilisation",
+                 'specstream:link_bytes_total{direction="h2d"}',
+                 'specstream:link_bytes_total{direction="d2h"}',
+                 'vllm:time_to_first_token_seconds_bucket{le="+Inf"}',
+                 "specstream:link_bytes_per_round", "specstream:link_bytes_floor_per_round",
+                 "specstream:device_kv_utilization", "specstream:spec_decode_tree_nodes_total",
+                 "specstream:spec_decode_tree_rounds_total"):
         assert name in m, name
-    assert 0 < m["specstream_device_kv_utilization"] <= 1  # the request's KV sat there
-    assert m["specstream_link_bytes_per_round"] >= 0
+    assert 0 < m["specstream:device_kv_utilization"] <= 1  # the request's KV sat there
+    assert m["specstream:link_bytes_per_round"] >= 0
     # finished by length or by eos: the random model's choice (its tokenizer is trained on
     # this repository's sources, so it changes with them)
     assert sum(v for k, v in m.items()
-               if k.startswith("specstream_requests_finished_total{finish_reason=")) >= 1
+               if k.startswith("vllm:request_success_total{finished_reason=")) >= 1
     for tier in ("device", "host"):
-        used = m[f'specstream_kv_cache_blocks_used{{tier="{tier}"}}']
-        total = m[f'specstream_kv_cache_blocks_total{{tier="{tier}"}}']
-        assert m[f'specstream_kv_cache_usage_perc{{tier="{tier}"}}'] == (
+        used = m[f'specstream:kv_cache_blocks_used{{tier="{tier}"}}']
+        total = m[f'specstream:kv_cache_blocks_total{{tier="{tier}"}}']
+        assert m[f'specstream:kv_cache_usage_perc{{tier="{tier}"}}'] == (
             used / total if total else 0.0)
-    assert m['specstream_kv_cache_blocks_total{tier="device"}'] > 0
+    assert m['specstream:kv_cache_blocks_total{tier="device"}'] > 0
     # n-gram speculation (q = 3) ran: vLLM's spec-decode counters, per position too
-    drafts = m["specstream_spec_decode_num_drafts_total"]
-    proposed = m["specstream_spec_decode_num_draft_tokens_total"]
-    accepted = m["specstream_spec_decode_num_accepted_tokens_total"]
-    per_pos = [m[f'specstream_spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}']
+    drafts = m["vllm:spec_decode_num_drafts_total"]
+    proposed = m["vllm:spec_decode_num_draft_tokens_total"]
+    accepted = m["vllm:spec_decode_num_accepted_tokens_total"]
+    per_pos = [m[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}']
                for i in range(3)]
     assert 0 < drafts <= proposed <= 3 * drafts and accepted <= proposed
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
-    assert m["specstream_spec_acceptance_rate"] == pytest.approx(accepted / proposed)
+    assert m["specstream:spec_acceptance_rate"] == pytest.approx(accepted / proposed)
 
 
 def test_completions_equal_offline_greedy(server: LiveServer, offline: LLM) -> None:
@@ -458,9 +459,9 @@ def test_depth_chosen_and_tree_counters_are_exported() -> None:
                   "tree_nodes": 24, "speculative_nodes_chosen": {0: 5, 16: 3}})
     text = MetricsExporter("m").render([sm.snapshot(0)]).decode()
     m = parse_metrics(text, model="m")
-    assert [m[f'specstream_spec_decode_depth_chosen_total{{depth="{d}"}}']
+    assert [m[f'specstream:spec_decode_depth_chosen_total{{depth="{d}"}}']
             for d in (0, 4, 12)] == [5, 2, 1]
-    assert [m[f'specstream_spec_decode_nodes_chosen_total{{nodes="{n}"}}']
+    assert [m[f'specstream:spec_decode_nodes_chosen_total{{nodes="{n}"}}']
             for n in (0, 16)] == [5, 3]
-    assert m["specstream_spec_decode_tree_rounds_total"] == 3
-    assert m["specstream_spec_decode_tree_nodes_total"] == 24
+    assert m["specstream:spec_decode_tree_rounds_total"] == 3
+    assert m["specstream:spec_decode_tree_nodes_total"] == 24

@@ -72,7 +72,7 @@ def test_cancelling_half_the_streams_leaks_no_blocks(offload_server: LiveServer)
     rest = asyncio.run(main())
     assert all(r[-1].finish_reason == "length" for r in rest)
     assert wait_for(lambda: offload_server.metric(
-        'specstream_requests_finished_total{finish_reason="abort"}') == 6)
+        'vllm:request_success_total{finished_reason="abort"}') == 6)
     assert kv.host.peak_used > 0  # the host tier was really in use
     assert wait_for(lambda: (kv.device.num_used, kv.host.num_used) == base)
     assert offload_server.engine.engine.scheduler.requests == {}
@@ -144,7 +144,7 @@ def test_backpressure_and_api_key(chat_model: Path) -> None:  # noqa: F811
         long.close()
         ok = client.completions.create(model=MODEL, prompt="c", max_tokens=3)
         assert ok.choices[0].finish_reason is not None
-        assert live.metric("specstream_requests_rejected_total") == 2
+        assert live.metric("specstream:requests_rejected_total") == 2
         kv = live.engine.engine.kv
         assert wait_for(lambda: kv.device.num_used == 0)
     finally:
@@ -153,7 +153,7 @@ def test_backpressure_and_api_key(chat_model: Path) -> None:  # noqa: F811
 
 def test_non_streaming_client_that_leaves_is_aborted(offload_server: LiveServer) -> None:
     kv = offload_server.engine.engine.kv
-    name = 'specstream_requests_finished_total{finish_reason="abort"}'
+    name = 'vllm:request_success_total{finished_reason="abort"}'
     aborted = offload_server.metric(name)
     body = {"model": MODEL, "prompt": token_prompts(1)[0], "max_tokens": 1500,
             "ignore_eos": True}
@@ -244,8 +244,8 @@ def test_a_failed_loop_iteration_fails_its_requests_and_the_loop_goes_on(
         for _ in range(2):
             ok = live.client().completions.create(model=MODEL, prompt="a", max_tokens=3)
             assert ok.choices[0].finish_reason is not None
-        assert live.metric("specstream_engine_loop_errors_total") == 1
-        assert live.metric('specstream_requests_finished_total{finish_reason="error"}') == 1
+        assert live.metric("specstream:engine_loop_errors_total") == 1
+        assert live.metric('vllm:request_success_total{finished_reason="error"}') == 1
         assert wait_for(lambda: engine.kv.device.num_used == 0)
         assert engine.scheduler.requests == {}
     finally:

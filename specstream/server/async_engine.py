@@ -15,6 +15,13 @@ Request ids: ``add`` claims its ids and ``abort`` hands them back. A request who
 claimed is refused (:class:`RequestIdInUse`) before anything is sent to the loop, so a reused
 id never touches the request that holds it.
 
+Metrics: the loop feeds :class:`ServerMetrics` from every step's outputs: a request's first
+tokens give its time to first token, later ones its inter-token latencies (per token: the first
+token of a step waited since the request's previous tokens, the rest of that step's burst came
+with it), a finished request its phase times; the sub-requests of one prompt's ``n`` choices
+(consecutive in one ``add``, same prompt, same parameters but the seed) count as one request
+for ``n`` and its longest generation, as vLLM counts a parent request.
+
 Faults: an exception in one loop iteration (a step, an add, the metrics) is logged and fails
 the requests that the step may have touched (everything admitted; requests still waiting were
 not touched and stay); the loop carries on. Only ``shutdown`` stops it.
@@ -23,6 +30,7 @@ not touched and stay); the loop carries on. Only ``shutdown`` stops it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -57,6 +65,15 @@ class RequestIdInUse(ValueError):
 
 
 @dataclass
+class _Parent:
+    """The ``n`` sub-requests of one prompt (vLLM's parent request), for its metrics."""
+
+    n: int = 0
+    left: int = 0  # sub-requests not yet ended
+    max_generated: int = 0
+
+
+@dataclass
 class _Pending:
     """One engine request, as the loop thread tracks it."""
 
@@ -66,6 +83,10 @@ class _Pending:
     outputs: asyncio.Queue[RequestOutput]
     admitted: asyncio.Event = field(default_factory=asyncio.Event)
     add_error: Exception | None = None
+    parent: _Parent = field(default_factory=_Parent)
+    # (loop thread) tokens seen in its outputs so far, and when the newest of them came
+    num_seen: int = 0
+    last_token_time: float = 0.0
 
 
 class AsyncEngine:
@@ -75,7 +96,9 @@ class AsyncEngine:
                  metrics: ServerMetrics | None = None) -> None:
         self.llm, self.engine = llm, llm.engine
         self.max_queue, self.queue_timeout_s = max_queue, queue_timeout_s
-        self.metrics = metrics or ServerMetrics()
+        self.metrics = metrics or ServerMetrics(
+            max_model_len=self.engine.max_model_len,
+            num_speculative_tokens=llm.config.num_speculative_tokens or 0)
         self.num_pending = 0  # requests awaiting admission (event-loop side only)
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._claimed: set[str] = set()  # ids from add() not yet handed back (event-loop side)
@@ -124,7 +147,7 @@ class AsyncEngine:
             self.metrics.on_reject("queue_full")
             raise QueueFull(f"the server is busy: {self.num_pending} requests are already "
                             f"waiting for admission (--max-queue {self.max_queue}); retry later")
-        items = [_Pending(rid, toks, p, outputs) for rid, toks, p in requests]
+        items = _with_parents([_Pending(rid, toks, p, outputs) for rid, toks, p in requests])
         self._claimed.update(ids)
         self.num_pending += len(items)
         try:
@@ -174,17 +197,19 @@ class AsyncEngine:
         """Take the commands, step, hand the outputs out."""
         self._drain(block=not self.engine.has_unfinished())
         outs: list[RequestOutput] = []
+        now = 0.0
         if self.engine.has_unfinished():
             t0 = time.perf_counter()
             outs = self.engine.step()
-            self.metrics.on_step(time.perf_counter() - t0)
+            now = time.perf_counter()
+            self.metrics.on_step(now - t0)
         # periodically, and before the last outputs of a busy spell reach their clients (so
         # a client that got its answer finds it counted in /metrics)
         idle = bool(outs) and not self.engine.has_unfinished()
         if idle or time.perf_counter() - self._last_snapshot > SNAPSHOT_EVERY_S:
             self._last_snapshot = time.perf_counter()
             self.metrics.on_engine(self.engine.get_metrics())
-        self._dispatch(outs)
+        self._dispatch(outs, now)
         self._signal_admitted()
 
     def _recover(self, exc: Exception) -> None:
@@ -235,23 +260,59 @@ class AsyncEngine:
         self._unadmitted[it.request_id] = it
 
     def _abort(self, rid: str) -> None:
-        if self._live.pop(rid, None) is None:
+        it = self._live.pop(rid, None)
+        if it is None:
             return  # finished (or never added)
         self._unadmitted.pop(rid, None)
         self.engine.abort_request(rid)
         self._release(rid)
-        self.metrics.on_finish(None, "abort")
+        self._ended(it, None, "abort")
 
-    def _dispatch(self, outs: list[RequestOutput]) -> None:
+    def _dispatch(self, outs: list[RequestOutput], now: float) -> None:
+        step_tokens = 0
         for out in outs:
             it = self._live.get(out.request_id)
             if it is None:
                 continue
+            step_tokens += self._observe(it, out, now)
             if out.finished:  # counted before its client can hear of it
                 del self._live[out.request_id]
                 self._release(out.request_id)
-                self.metrics.on_finish(out, out.outputs[0].finish_reason or "stop")
+                self._ended(it, out, out.outputs[0].finish_reason or "stop")
             self._call(it.outputs.put_nowait, out)
+        self.metrics.on_iteration(step_tokens)
+
+    def _observe(self, it: _Pending, out: RequestOutput, now: float) -> int:
+        """One output's new tokens into the latency histograms (times: the engine's where its
+        output carries them, else when the step returned); its share of the step's tokens
+        (vLLM's: the prompt with the first token, plus the tokens generated)."""
+        new = len(out.outputs[0].token_ids) - it.num_seen
+        if new <= 0:
+            return 0
+        m = out.metrics
+        if it.num_seen == 0:
+            ttft = m.get("ttft_s", now - m["arrival_time"] if "arrival_time" in m else None)
+            self.metrics.on_tokens(new, ttft_s=ttft)
+            # (decode time, vLLM's, runs from the first token: the gaps then add up to it)
+            it.last_token_time = m.get("first_token_time", m.get("last_token_time", now))
+            share = new + len(it.prompt_token_ids)
+        else:
+            t = m.get("last_token_time", now)
+            self.metrics.on_tokens(new, gap_s=t - it.last_token_time)
+            it.last_token_time = t
+            share = new
+        it.num_seen += new
+        return share
+
+    def _ended(self, it: _Pending, out: RequestOutput | None, reason: str) -> None:
+        """Count a sub-request's end, and its parent's once all of the parent's have ended."""
+        self.metrics.on_finish(out, reason, it.params.max_tokens)
+        parent = it.parent
+        generated = len(out.outputs[0].token_ids) if out is not None else it.num_seen
+        parent.max_generated = max(parent.max_generated, generated)
+        parent.left -= 1
+        if parent.left == 0:
+            self.metrics.on_parent_finished(parent.n, parent.max_generated)
 
     def _signal_admitted(self) -> None:
         requests = self.engine.scheduler.requests
@@ -272,7 +333,7 @@ class AsyncEngine:
         self._live.pop(rid, None)
         self._unadmitted.pop(rid, None)
         self._release(rid)
-        self.metrics.on_finish(None, "error")
+        self._ended(it, None, "error")
         comp = CompletionOutput(0, "", [], "error", error=message)
         self._call(it.outputs.put_nowait, RequestOutput(rid, None, it.prompt_token_ids, [comp],
                                                         True))
@@ -305,3 +366,18 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop closed meanwhile
             pass
+
+
+def _with_parents(items: list[_Pending]) -> list[_Pending]:
+    """Give the sub-requests of one prompt one :class:`_Parent`: consecutive ones with the
+    same prompt and the same parameters but the seed (how the server splits ``n``)."""
+    prev: _Pending | None = None
+    for it in items:
+        if prev is not None and prev.prompt_token_ids == it.prompt_token_ids and (
+                dataclasses.replace(prev.params, seed=None)
+                == dataclasses.replace(it.params, seed=None)):
+            it.parent = prev.parent
+        it.parent.n += 1
+        it.parent.left += 1
+        prev = it
+    return items

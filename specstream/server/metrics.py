@@ -1,15 +1,10 @@
-"""Server metrics: what the engine loop and the HTTP side count, exported with prometheus-client.
+"""Server metrics: what the engine loop and the HTTP side count.
 
 :class:`ServerMetrics` is the state of one engine (fed by its loop thread and its HTTP handlers;
 one lock guards it, updates are a few additions). ``snapshot()`` turns it into plain data (no
-objects, so a Ray replica can send it to the ingress). :class:`MetricsExporter` owns the
-server's one ``CollectorRegistry``: at each scrape it renders the sum of one or more snapshots
-(one in the single-process server, one per replica behind the Ray ingress), plus any extra
-families the caller adds. Every series carries a ``model_name`` label, as vLLM's do.
-
-Names follow vLLM's with a ``specstream_`` prefix (``specstream_spec_decode_num_drafts_total``
-is vLLM's ``vllm:spec_decode_num_drafts``). The engine keeps cumulative totals, so counters are
-exported from the latest totals by a custom collector instead of being incremented here.
+objects, so a Ray replica can send it to the ingress); ``exposition.merge_snapshots`` adds
+several up and ``exposition.MetricsExporter`` renders them under vLLM's names (both are
+importable from here too). docs/metrics.md lists every series and what it means here.
 """
 
 from __future__ import annotations
@@ -18,59 +13,85 @@ import bisect
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.metrics_core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-
 from specstream.engine.request import RequestOutput
-
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                   10.0, 30.0, 60.0)
-RATE_WINDOW_S = 10.0  # tokens/s and utilisation are averaged over this window
-# the text format generate_latest writes (newer clients call it 1.0.0: the same for our names)
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-# (snapshot key, metric name, help) of the latency histograms
-HISTOGRAMS = (
-    ("ttft", "specstream_time_to_first_token_seconds",
-     "Time from arrival in the engine to the first generated token."),
-    ("tpot", "specstream_time_per_output_token_seconds",
-     "Mean time per generated token after the first, per request."),
-    ("e2e", "specstream_e2e_request_latency_seconds",
-     "Time from arrival in the engine to the last token."),
+from specstream.server.exposition import (
+    CONTENT_TYPE,
+    FINISHED_REASONS,
+    HISTOGRAMS,
+    RATE_WINDOW_S,
+    TIERS,
+    MetricsExporter,
+    histogram_buckets,
+    merge_snapshots,
 )
-TIERS = ("device", "host")
-Sample = tuple[dict[str, str], float]  # (labels besides model_name, value)
+
+DEFAULT_MAX_MODEL_LEN = 8192  # token-count buckets of a ServerMetrics built without an engine
+__all__ = ["CONTENT_TYPE", "Histogram", "MetricsExporter", "ServerMetrics", "merge_snapshots",
+           "request_times"]
 
 
 class Histogram:
     """Bucket counts (the last one is +Inf), sum and count; cumulated when exported."""
 
-    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
         self.buckets = buckets
         self.counts = [0] * (len(buckets) + 1)
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
+    def observe(self, value: float, times: int = 1) -> None:
+        if times > 0:
+            self.counts[bisect.bisect_left(self.buckets, value)] += times
+            self.sum += value * times
 
     def snapshot(self) -> dict[str, Any]:
         return {"counts": list(self.counts), "sum": self.sum}
 
 
-class ServerMetrics:
-    """Everything one engine reports to ``/metrics``; thread-safe."""
+def request_times(m: dict[str, float], num_generated: int, now: float) -> dict[str, float]:
+    """A finished request's phases (seconds) from ``RequestOutput.metrics`` (perf_counter
+    times), by histogram key; a phase whose times the engine did not give is left out.
 
-    def __init__(self) -> None:
+    queue = first scheduled - arrival, prefill = first token - first scheduled, decode = last
+    token - first token, inference = last token - first scheduled, e2e = finished - arrival
+    (now, without a finish time), time per output token = decode / (generated - 1).
+    """
+    arrival, sched = m.get("arrival_time"), m.get("first_scheduled_time")
+    first, end = m.get("first_token_time"), m.get("finished_time")
+    last = m.get("last_token_time", end)
+    out: dict[str, float] = {}
+    if arrival is not None:
+        out["e2e"] = (end if end is not None else now) - arrival
+        if sched is not None:
+            out["queue"] = sched - arrival
+    if sched is not None and first is not None:
+        out["prefill"] = first - sched
+    if first is not None and last is not None:
+        out["decode"] = last - first
+    if sched is not None and last is not None:
+        out["inference"] = last - sched
+    if "decode" in out:
+        out["request_tpot"] = out["decode"] / (num_generated - 1) if num_generated > 1 else 0.0
+    elif "tpot_s" in m:
+        out["request_tpot"] = m["tpot_s"] if num_generated > 1 else 0.0
+    return {k: max(0.0, v) for k, v in out.items()}
+
+
+class ServerMetrics:
+    """Everything one engine reports to ``/metrics``; thread-safe.
+
+    ``max_model_len`` sets the token-count buckets (vLLM's 1-2-5 series up to it);
+    ``num_speculative_tokens`` the draft positions exported from the start (vLLM's).
+    """
+
+    def __init__(self, max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+                 num_speculative_tokens: int = 0) -> None:
         self._lock = threading.Lock()
-        self.histograms = {key: Histogram() for key, _, _ in HISTOGRAMS}
+        self.max_model_len = max_model_len
+        self.num_speculative_tokens = num_speculative_tokens
+        self.histograms = {s.key: Histogram(histogram_buckets(s.buckets, max_model_len))
+                           for s in HISTOGRAMS}
         self.finished: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
         self.loop_errors = 0
@@ -84,18 +105,51 @@ class ServerMetrics:
         with self._lock:
             self.busy_s += seconds
 
-    def on_finish(self, out: RequestOutput | None, reason: str) -> None:
+    def on_tokens(self, new_tokens: int, ttft_s: float | None = None,
+                  gap_s: float | None = None) -> None:
+        """``new_tokens`` that one step gave one request: its first ones (``ttft_s``: their
+        time to first token), or later ones ``gap_s`` after its previous tokens. Per token,
+        the step's first waited the gap and the rest came with it (0 s)."""
+        if new_tokens <= 0:
+            return
+        with self._lock:
+            h = self.histograms
+            if ttft_s is not None:
+                h["ttft"].observe(max(0.0, ttft_s))
+            elif gap_s is not None:
+                h["itl"].observe(max(0.0, gap_s))
+                h["inter_step"].observe(max(0.0, gap_s))
+            h["itl"].observe(0.0, new_tokens - 1)
+
+    def on_iteration(self, num_tokens: int) -> None:
+        """One engine step's tokens (vLLM's iteration_tokens_total)."""
+        if num_tokens > 0:
+            with self._lock:
+                self.histograms["iteration_tokens"].observe(num_tokens)
+
+    def on_finish(self, out: RequestOutput | None, reason: str,
+                  max_tokens: int | None = None) -> None:
+        """One engine request ended (``out``: its last output, None when aborted or failed
+        before it had one)."""
+        now = time.perf_counter()
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
             if out is None:
                 return
-            m = out.metrics
-            if "ttft_s" in m:
-                self.histograms["ttft"].observe(m["ttft_s"])
-            if "tpot_s" in m and len(out.outputs[0].token_ids) > 1:
-                self.histograms["tpot"].observe(m["tpot_s"])
-            if "arrival_time" in m:
-                self.histograms["e2e"].observe(time.perf_counter() - m["arrival_time"])
+            h = self.histograms
+            generated = len(out.outputs[0].token_ids)
+            h["prompt_tokens"].observe(len(out.prompt_token_ids))
+            h["generation_tokens"].observe(generated)
+            if max_tokens:
+                h["max_tokens"].observe(max_tokens)
+            for key, value in request_times(out.metrics, generated, now).items():
+                h[key].observe(value)
+
+    def on_parent_finished(self, n: int, max_generated: int) -> None:
+        """All ``n`` choices of one prompt ended; the longest generated ``max_generated``."""
+        with self._lock:
+            self.histograms["n"].observe(n)
+            self.histograms["max_num_generation_tokens"].observe(max_generated)
 
     def on_loop_error(self) -> None:
         with self._lock:
@@ -127,11 +181,16 @@ class ServerMetrics:
 
     def snapshot(self, pending_admission: int) -> dict[str, Any]:
         """Plain data (numbers, lists, dicts) that :func:`merge_snapshots` can add up: every
-        number is summed over engines, except those under ``"mean"``, which are averaged."""
+        number is summed over engines, except those under ``"mean"`` (averaged) and
+        ``"info"`` (the largest)."""
         tok_s, link_util, engine_util = self.rates()
         with self._lock:
             e = self.engine
+            hits_by_tier = e.get("prefix_cache_hits_by_tier", {})
+            per_pos = list(e.get("accepted_per_pos", []))
+            per_pos += [0] * (self.num_speculative_tokens - len(per_pos))
             return {
+                "info": {"max_model_len": self.max_model_len},
                 "gauge": {
                     "requests_running": e.get("running", 0),
                     "requests_waiting": e.get("waiting", 0),
@@ -144,7 +203,10 @@ class ServerMetrics:
                 "mean": {"link_utilisation": link_util, "engine_utilisation": engine_util,
                          "link_bytes_per_round": e.get("link_bytes_per_round", 0.0),
                          "link_bytes_floor_per_round": e.get("link_bytes_floor_per_round", 0.0),
-                         "device_kv_utilization": e.get("device_kv_utilization", 0.0)},
+                         "device_kv_utilization": e.get("device_kv_utilization", 0.0),
+                         "host_attention_share": e.get("host_attention_share", 0.0),
+                         "host_attention_bytes_per_second":
+                             e.get("host_attention_bytes_per_s", 0.0)},
                 "counter": {
                     "prompt_tokens": e.get("prompt_tokens", 0),
                     "generation_tokens": e.get("generated_tokens", 0),
@@ -153,6 +215,7 @@ class ServerMetrics:
                     "spec_decode_num_accepted_tokens": e.get("accepted_tokens", 0),
                     "spec_decode_tree_rounds": e.get("tree_rounds", 0),
                     "spec_decode_tree_nodes": e.get("tree_nodes", 0),
+                    "host_attention_bytes": e.get("host_attention_bytes", 0),
                     "engine_loop_errors": self.loop_errors,
                 },
                 # speculative_policy auto: steps per chosen depth and per chosen node count
@@ -161,193 +224,19 @@ class ServerMetrics:
                 "nodes_chosen": {str(k): v for k, v in
                                  e.get("speculative_nodes_chosen", {}).items()},
                 "spec_rounds": e.get("rounds", 0),  # for the mean accepted length
-                "accepted_per_pos": list(e.get("accepted_per_pos", [])),
+                "accepted_per_pos": per_pos,
                 "kv_blocks_used": {t: e.get(f"{t}_kv_blocks_used", 0) for t in TIERS},
                 "kv_blocks_total": {t: e.get(f"{t}_kv_blocks_total", 0) for t in TIERS},
-                # automatic prefix caching: prompt tokens looked up, found (by the tier the
-                # copy came from), and the blocks the cache holds
+                # automatic prefix caching: prompt tokens looked up, found (in all, and by the
+                # tier the copy came from), and the blocks the cache holds
                 "prefix_cache_queries": e.get("prefix_cache_queries_total", 0),
-                "prefix_cache_hits": {t: e.get("prefix_cache_hits_by_tier", {}).get(t, 0)
-                                      for t in TIERS},
+                "prefix_cache_hits_total": e.get("prefix_cache_hits_total",
+                                                 sum(hits_by_tier.values())),
+                "prefix_cache_hits": {t: hits_by_tier.get(t, 0) for t in TIERS},
                 "prefix_cache_blocks": {t: e.get("prefix_cache_blocks", {}).get(t, 0)
                                         for t in TIERS},
                 "link_bytes": {d: e.get(f"link_bytes_{d}", 0) for d in ("h2d", "d2h")},
-                "finished": dict(self.finished),
+                "finished": {**dict.fromkeys(FINISHED_REASONS, 0), **self.finished},
                 "rejected": dict(self.rejected),
                 "histograms": {k: h.snapshot() for k, h in self.histograms.items()},
             }
-
-
-def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
-    """Snapshots of several engines as one: numbers summed (lists element by element, dicts key
-    by key), those under ``"mean"`` averaged."""
-    merged = _sum(snapshots)
-    merged["mean"] = {k: v / len(snapshots) for k, v in merged["mean"].items()}
-    return merged
-
-
-def _sum(values: list[Any]) -> Any:
-    first = values[0]
-    if isinstance(first, dict):
-        keys = dict.fromkeys(k for v in values for k in v)  # union, in first-seen order
-        return {k: _sum([v[k] for v in values if k in v]) for k in keys}
-    if isinstance(first, list):
-        width = max(len(v) for v in values)
-        return [sum(v[i] for v in values if i < len(v)) for i in range(width)]
-    return sum(values)
-
-
-class MetricsExporter:
-    """The server's one ``CollectorRegistry`` and its renderer, shared by the single-process
-    server (one snapshot) and the Ray ingress (one per replica, plus its own families)."""
-
-    def __init__(self, model_name: str) -> None:
-        self.model_name = model_name
-        self.registry = CollectorRegistry()
-        self._snapshots: list[dict[str, Any]] = []
-        self._extra: list[Metric] = []
-        self.registry.register(self)
-
-    def render(self, snapshots: list[dict[str, Any]], extra: Iterable[Metric] = ()) -> bytes:
-        """The Prometheus text of ``snapshots`` summed, then ``extra``."""
-        self._snapshots, self._extra = snapshots, list(extra)
-        try:
-            return generate_latest(self.registry)
-        finally:
-            self._snapshots, self._extra = [], []
-
-    def describe(self) -> list[Metric]:
-        return []  # names are only known at a scrape; nothing to check for clashes
-
-    def collect(self) -> Iterator[Metric]:
-        if self._snapshots:
-            yield from self._families(merge_snapshots(self._snapshots))
-        yield from self._extra
-
-    def family(self, kind: str, name: str, help: str, samples: Iterable[Sample]) -> Metric:
-        """A gauge or counter family whose samples get the ``model_name`` label first."""
-        cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-        fam: Metric | None = None
-        for labels, value in samples:
-            if fam is None:
-                fam = cls(name, help, labels=["model_name", *labels])
-            fam.add_metric([self.model_name, *labels.values()], value)
-        return fam if fam is not None else cls(name, help, labels=["model_name"])
-
-    def _families(self, m: dict[str, Any]) -> Iterator[Metric]:
-        gauge, counter = m["gauge"], m["counter"]
-
-        def one(kind: str, name: str, help: str, value: float) -> Metric:
-            return self.family(kind, name, help, [({}, value)])
-
-        yield one("gauge", "specstream_requests_running", "Requests admitted and being decoded.",
-                  gauge["requests_running"])
-        yield one("gauge", "specstream_requests_waiting",
-                  "Requests in the engine waiting for KV memory or a batch slot.",
-                  gauge["requests_waiting"])
-        yield one("gauge", "specstream_requests_pending_admission",
-                  "HTTP requests waiting to be admitted (bounded by --max-queue).",
-                  gauge["requests_pending_admission"])
-        used, total = m["kv_blocks_used"], m["kv_blocks_total"]
-        yield self.family("gauge", "specstream_kv_cache_blocks_used", "KV blocks in use, by tier.",
-                          [({"tier": t}, used[t]) for t in TIERS])
-        yield self.family("gauge", "specstream_kv_cache_blocks_total", "KV blocks, by tier.",
-                          [({"tier": t}, total[t]) for t in TIERS])
-        yield self.family("gauge", "specstream_kv_cache_usage_perc",
-                          "Fraction of KV blocks in use, by tier (1 = full).",
-                          [({"tier": t}, used[t] / total[t] if total[t] else 0.0)
-                           for t in TIERS])
-        yield one("counter", "specstream_prefix_cache_queries",
-                  "Prompt tokens looked up in the prefix cache.", m["prefix_cache_queries"])
-        yield self.family("counter", "specstream_prefix_cache_hits",
-                          "Prompt tokens found in the prefix cache (not prefilled), by the tier "
-                          "their copy came from.",
-                          [({"tier": t}, m["prefix_cache_hits"][t]) for t in TIERS])
-        yield self.family("gauge", "specstream_prefix_cache_blocks",
-                          "KV blocks the prefix cache holds (they yield to requests), by tier.",
-                          [({"tier": t}, m["prefix_cache_blocks"][t]) for t in TIERS])
-        yield one("gauge", "specstream_kv_device_used_bytes", "Device KV bytes in use.",
-                  gauge["kv_device_used_bytes"])
-        yield one("gauge", "specstream_kv_host_used_bytes", "Host KV bytes in use.",
-                  gauge["kv_host_used_bytes"])
-        yield one("gauge", "specstream_kv_device_budget_bytes", "Device KV budget.",
-                  gauge["kv_device_budget_bytes"])
-        yield one("counter", "specstream_prompt_tokens", "Prompt tokens admitted.",
-                  counter["prompt_tokens"])
-        yield one("counter", "specstream_generation_tokens", "Tokens generated.",
-                  counter["generation_tokens"])
-        yield one("gauge", "specstream_generation_tokens_per_second",
-                  f"Generated tokens/s over the last {RATE_WINDOW_S:g} s.",
-                  gauge["generation_tokens_per_second"])
-        yield from self._spec_families(m)
-        yield self.family("counter", "specstream_link_bytes", "Bytes moved over the host link.",
-                          [({"direction": d}, v) for d, v in m["link_bytes"].items()])
-        for key in ("link_utilisation", "engine_utilisation"):
-            what = "the host link was busy" if key.startswith("link") else "spent in engine steps"
-            yield one("gauge", f"specstream_{key}",
-                      f"Fraction of the last {RATE_WINDOW_S:g} s {what}.", m["mean"][key])
-        for key, help in (
-            ("link_bytes_per_round", "History bytes moved to the device per decode round, "
-                                     "since start."),
-            ("link_bytes_floor_per_round", "History bytes per decode round that cannot be "
-                                           "resident given the device KV budget, since start."),
-            ("device_kv_utilization", "Fraction of device KV blocks holding history, "
-                                      "time-averaged since start."),
-        ):
-            yield one("gauge", f"specstream_{key}", help, m["mean"][key])
-        yield self.family("counter", "specstream_requests_finished",
-                          "Engine requests finished, by finish reason.",
-                          [({"finish_reason": k}, v) for k, v in sorted(m["finished"].items())])
-        yield self.family("counter", "specstream_requests_rejected",
-                          "HTTP requests refused by backpressure, by reason.",
-                          [({"reason": k}, v) for k, v in sorted(m["rejected"].items())])
-        yield one("counter", "specstream_engine_loop_errors",
-                  "Engine loop iterations that failed (their requests failed; the loop went on).",
-                  counter["engine_loop_errors"])
-        for key, name, help in HISTOGRAMS:
-            h = m["histograms"][key]
-            fam = HistogramMetricFamily(name, help, labels=["model_name"])
-            cumulative, total = [], 0
-            for le, c in zip((*map(str, LATENCY_BUCKETS), "+Inf"), h["counts"]):
-                total += c
-                cumulative.append((le, total))
-            fam.add_metric([self.model_name], cumulative, sum_value=h["sum"])
-            yield fam
-
-    def _spec_families(self, m: dict[str, Any]) -> Iterator[Metric]:
-        counter = m["counter"]
-        drafts, proposed = (counter["spec_decode_num_drafts"],
-                            counter["spec_decode_num_draft_tokens"])
-        accepted, rounds = counter["spec_decode_num_accepted_tokens"], m["spec_rounds"]
-        for name, help, value in (
-            ("num_drafts", "Verification rounds that checked draft tokens (per request).",
-             drafts),
-            ("num_draft_tokens", "Draft tokens proposed.", proposed),
-            ("num_accepted_tokens", "Draft tokens accepted.", accepted),
-        ):
-            yield self.family("counter", f"specstream_spec_decode_{name}", help, [({}, value)])
-        for name, help in (
-            ("tree_rounds", "Verification rounds (per request) that checked a token tree."),
-            ("tree_nodes", "Draft tokens verified as token-tree nodes."),
-        ):
-            yield self.family("counter", f"specstream_spec_decode_{name}", help,
-                              [({}, counter[f"spec_decode_{name}"])])
-        yield self.family("counter", "specstream_spec_decode_depth_chosen",
-                          "Steps by the draft depth speculative_policy=auto chose (0: none).",
-                          [({"depth": k}, v) for k, v in sorted(m["depth_chosen"].items(),
-                                                                key=lambda kv: int(kv[0]))])
-        yield self.family("counter", "specstream_spec_decode_nodes_chosen",
-                          "Steps by the draft nodes per request speculative_policy=auto chose "
-                          "(a chain: its depth; a tree: its node budget).",
-                          [({"nodes": k}, v) for k, v in sorted(m["nodes_chosen"].items(),
-                                                                key=lambda kv: int(kv[0]))])
-        yield self.family("counter", "specstream_spec_decode_num_accepted_tokens_per_pos",
-                          "Accepted draft tokens by position in the draft (0 = first).",
-                          [({"position": str(i)}, v)
-                           for i, v in enumerate(m["accepted_per_pos"])])
-        yield self.family("gauge", "specstream_spec_acceptance_rate",
-                          "Accepted / proposed draft tokens, since start.",
-                          [({}, accepted / proposed if proposed else 0.0)])
-        yield self.family("gauge", "specstream_spec_mean_accepted_len",
-                          "Tokens per verification round (accepted drafts + 1), since start.",
-                          [({}, (accepted + rounds) / rounds if rounds else 0.0)])

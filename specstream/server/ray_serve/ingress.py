@@ -79,34 +79,37 @@ async def replica_metrics(engines: DeploymentHandle, timeout_s: float = 5.0) -> 
 def pool_metrics(exporter: MetricsExporter, pool: ReplicaPool, snaps: list[dict]
                  ) -> list[Metric]:
     """Per-replica series and the ingress's routing counters (``exporter``: the ingress's
-    :class:`MetricsExporter`, which labels them with the model)."""
+    :class:`MetricsExporter`, which labels them with the model; the engines' own series,
+    summed over the replicas, carry vLLM's ``engine="0"`` as one engine's would)."""
     def per_replica(kind: str, name: str, help: str, field: str) -> Metric:
         return exporter.family(kind, name, help, [({"replica": s["replica"]}, s[field])
-                                                  for s in snaps])
+                                                  for s in snaps], engine=False)
 
     def by_replica(name: str, help: str, counts: dict[str, int]) -> Metric:
         return exporter.family("counter", name, help, [({"replica": r}, n)
-                                                       for r, n in sorted(counts.items())])
+                                                       for r, n in sorted(counts.items())],
+                               engine=False)
 
     return [
-        exporter.family("gauge", "specstream_ray_replicas",
-                        "Engine replicas that answered this scrape.", [({}, len(snaps))]),
-        per_replica("gauge", "specstream_ray_replica_host_kv_free_bytes",
+        exporter.family("gauge", "specstream:ray_replicas",
+                        "Engine replicas that answered this scrape.", [({}, len(snaps))],
+                        engine=False),
+        per_replica("gauge", "specstream:ray_replica_host_kv_free_bytes",
                     "Free host KV per replica (what routing prefers).", "host_kv_free_bytes"),
-        per_replica("gauge", "specstream_ray_replica_requests_running",
+        per_replica("gauge", "specstream:ray_replica_requests_running",
                     "Requests being decoded per replica.", "running"),
-        per_replica("counter", "specstream_ray_replica_requests_finished",
+        per_replica("counter", "specstream:ray_replica_requests_finished",
                     "Engine requests finished per replica.", "finished"),
-        by_replica("specstream_ray_requests_routed",
+        by_replica("specstream:ray_requests_routed",
                    "API requests admitted per replica (retries included).", pool.routed),
-        by_replica("specstream_ray_replica_failures",
+        by_replica("specstream:ray_replica_failures",
                    "API requests whose replica failed while running them.", pool.failures),
-        exporter.family("counter", "specstream_ray_retries",
+        exporter.family("counter", "specstream:ray_retries",
                         "API requests rerun after their replica failed while running them.",
-                        [({}, pool.retries)]),
-        exporter.family("counter", "specstream_ray_reroutes",
+                        [({}, pool.retries)], engine=False),
+        exporter.family("counter", "specstream:ray_reroutes",
                         "API requests sent again after a replica failed before admitting them.",
-                        [({}, pool.reroutes)]),
+                        [({}, pool.reroutes)], engine=False),
     ]
 
 
