@@ -18,7 +18,15 @@ from specstream.engine.drafting import DRAFTING, drafting_for
 from specstream.engine.history import make_source
 from specstream.engine.host_attention import HostAttention
 from specstream.engine.layout import RuntimeLayout
-from specstream.engine.request import CompletionOutput, Request, RequestError, RequestOutput
+from specstream.engine.request import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    Request,
+    RequestError,
+    RequestOutput,
+    TokenLogprobs,
+)
 from specstream.engine.scheduler import Scheduler
 from specstream.engine.shaping import RoundShaper
 from specstream.engine.stats import EngineStats, RoundStats
@@ -71,9 +79,7 @@ class LLMEngine:
         self.max_model_len = layout.max_model_len
         self.backend = make_backend(device.split(":")[0], link_gbps=config.link_gbps)
         mode = config.mode_spec
-        tok = self.tokenizer
-        self.scheduler = Scheduler.for_layout(config, layout,
-                                              decode=tok.decode if tok is not None else None)
+        self.scheduler = Scheduler.for_layout(config, layout, tokenizer=self.tokenizer)
         self.kv = self.scheduler.kv
         self.store = KVStore(self.model_config, self.dtype, config.block_size,
                              layout.num_device_blocks, layout.num_host_blocks, self.backend)
@@ -87,7 +93,7 @@ class LLMEngine:
         self.worker = Worker(self.model, self.store, self.backend, self.history, self.proposer,
                              DRAFTING.get(drafting_for(mode.drafting, device))(
                                  self.tracer, self.backend),
-                             self.attention, self.tracer)
+                             self.attention, self.tracer, stop_ids=self.eos_token_ids)
         # the draft model's share of the parameters (the policy's first estimate of its cost
         # per token, from the target's prefill)
         self._draft_share = (_num_params(self.proposer.model) / _num_params(self.model)
@@ -97,6 +103,7 @@ class LLMEngine:
                                              config.host_attention_gbps)
             self.scheduler.host_cost = self.worker.host.seconds_per_byte
         self._ids = itertools.count()
+        self._token_texts: dict[int, str] = {}
         self.stats = EngineStats(accepted_per_pos=[0] * max(1, config.q))
         # The newest decode steps, and steps that only prefilled (bounded: a server runs for
         # weeks).
@@ -340,22 +347,54 @@ class LLMEngine:
 
     # ---- outputs and metrics ------------------------------------------------------------
     def _output(self, req: Request) -> RequestOutput:
-        text = req.output_text
-        if not req.finished and self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_token_ids)
+        """What the API hands back for a request now (its text so far while it runs: the
+        incremental decoder's, nothing decoded again)."""
+        logprobs = None if req.logprobs is None else [self._logprobs(e) for e in req.logprobs]
         comp = CompletionOutput(
-            index=0, text=text, token_ids=list(req.output_token_ids),
+            index=0, text=req.output_text, token_ids=list(req.output_token_ids),
             finish_reason=req.finish_reason, num_proposed_tokens=req.num_proposed,
             num_accepted_tokens=req.num_accepted, num_rounds=req.num_rounds, error=req.error,
+            logprobs=logprobs,
+            cumulative_logprob=None if logprobs is None else req.cumulative_logprob,
+            stop_reason=req.stop_reason,
         )
         metrics = {"arrival_time": req.arrival_time}
+        for key in ("first_scheduled_time", "first_token_time", "last_token_time"):
+            if getattr(req, key) is not None:
+                metrics[key] = getattr(req, key)
+        if req.finish_time is not None:
+            metrics["finished_time"] = req.finish_time
         if req.first_token_time is not None:
             metrics["ttft_s"] = req.first_token_time - req.arrival_time
         if req.finish_time is not None and req.first_token_time is not None:
             n = max(1, len(req.output_token_ids) - 1)
             metrics["tpot_s"] = (req.finish_time - req.first_token_time) / n
+        prompt = None
+        if req.prompt_logprobs is not None:  # the first prompt token has none
+            prompt = [None, *(self._logprobs(e) for e in req.prompt_logprobs)]
         return RequestOutput(req.request_id, None, list(req.prompt_token_ids), [comp],
-                             req.finished, metrics, req.num_computed_tokens)
+                             req.finished, metrics, req.num_computed_tokens,
+                             prompt_logprobs=prompt, num_cached_tokens=req.num_cached_tokens)
+
+    def _logprobs(self, entry: TokenLogprobs) -> PositionLogprobs:
+        """One position's log-probabilities as vLLM hands them out: the chosen token's, then
+        the most likely ones', by token id, with each token's text."""
+        out = {entry.token: Logprob(entry.logprob, entry.rank, self._token_text(entry.token))}
+        for rank, (tok, lp) in enumerate(entry.top, 1):
+            if tok not in out:
+                out[tok] = Logprob(lp, rank, self._token_text(tok))
+        return out
+
+    def _token_text(self, token: int) -> str | None:
+        """A token's own text (cached: the same few thousand tokens come back again and
+        again)."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode(
+                [token], skip_special_tokens=False)
+        return text
 
     def get_metrics(self) -> dict[str, Any]:
         """The stats (``EngineStats.as_dict``) plus KV usage of both tiers and the queues."""

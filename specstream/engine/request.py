@@ -6,10 +6,31 @@ import enum
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-
-import torch
+from typing import NamedTuple, Protocol
 
 from specstream.sampling_params import SamplingParams
+
+# A request's incremental decoder: each next token id -> the text it adds (None: not yet a
+# whole character). ``Tokenizer.decode_stream`` makes one.
+TextStream = Callable[[int], "str | None"]
+
+
+class TextCodec(Protocol):
+    """What the scheduler needs of a tokenizer (``specstream.tokenizer.Tokenizer``)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> TextStream: ...
+
+
+class TokenLogprobs(NamedTuple):
+    """The target's raw log-probabilities at one position: the emitted (or prompt) token's
+    and the most likely tokens' (SamplingParams.logprobs of them)."""
+
+    token: int
+    logprob: float
+    rank: int  # 1 = the most likely
+    top: tuple[tuple[int, float], ...]  # (token, logprob), most likely first
 
 
 class RequestError(Exception):
@@ -32,7 +53,6 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
@@ -42,7 +62,6 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     # Their parents when they form a token tree (see SeqWork.parents); None = a chain.
     draft_parents: list[int] | None = None
-    draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), V] or None
     # Overlapped modes: drafts for the next round are still to be made (in the next step).
     needs_draft: bool = False
     # Tokens the draft model has seen (it drafted from them); the rest it must catch up on
@@ -51,13 +70,35 @@ class Request:
     # Overlapped modes: which of the two groups (verified on alternate steps) it belongs to.
     group: int = -1
     finish_reason: str | None = None
+    # The stop string or stop token id that ended it (None: eos, length, abort, error).
+    stop_reason: int | str | None = None
     error: str | None = None
+    # The output's text, grown a token at a time by ``text_stream`` (None: no tokenizer);
+    # final once finished (cut at a stop string).
     output_text: str = ""
+    text_stream: TextStream | None = None
+    # SamplingParams.logprobs / prompt_logprobs: one entry per output / prompt token after
+    # the first (None when not asked for), and the output's sum.
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    # Prompt tokens the prefix cache held (not prefilled).
+    num_cached_tokens: int = 0
+    # perf_counter times: first scheduled (left the queue), first and newest generated token,
+    # finished.
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finish_time: float | None = None
     num_proposed: int = 0
     num_accepted: int = 0
     num_rounds: int = 0  # verification rounds (decode steps) this request took part in
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = []
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -78,20 +119,46 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def stop_reason(self, eos_token_ids: Collection[int],
-                    decode: Callable[[list[int]], str] | None) -> str | None:
-        """Why the request ends after its newest token ("stop", "length"), or None. A stop
-        string cuts ``output_text`` before it."""
-        params, tok = self.params, self.output_token_ids[-1]
-        if tok in params.stop_token_ids or (tok in eos_token_ids and not params.ignore_eos):
+    def append(self, token: int, eos_token_ids: Collection[int],
+               logprobs: TokenLogprobs | None = None) -> str | None:
+        """Append one generated token (and its log-probabilities); returns why the request
+        ends after it ("stop", "length") or None.
+
+        As vLLM: eos (unless ignore_eos) and ``stop_token_ids`` end it, their text left out
+        (kept with include_stop_str_in_output); a stop string ends it once more than
+        min_tokens tokens were generated, the text cut before it (or after it, with
+        include_stop_str_in_output). Only the new token's text is decoded, and only the text
+        it could complete a stop string with is searched."""
+        params = self.params
+        self.output_token_ids.append(token)
+        if logprobs is not None and self.logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs.logprob
+        stop_token = token in params.stop_token_ids
+        if stop_token or (token in eos_token_ids and not params.ignore_eos):
+            self.stop_reason = token if stop_token else None
+            if params.include_stop_str_in_output:
+                self._add_text(token)
             return "stop"
-        if params.stop and decode is not None:
-            text = decode(self.output_token_ids)
-            hits = [text.find(s) for s in params.stop if s in text]
+        piece = self._add_text(token)
+        if piece and params.stop and len(self.output_token_ids) > params.min_tokens:
+            longest = max(len(s) for s in params.stop)
+            start = max(0, len(self.output_text) - len(piece) - longest + 1)
+            hits = [(self.output_text.find(s, start), s) for s in params.stop]
+            hits = [(at, s) for at, s in hits if at >= 0]
             if hits:
-                self.output_text = text[: min(hits)]
+                at, s = min(hits)
+                end = at + len(s) if params.include_stop_str_in_output else at
+                self.output_text = self.output_text[:end]
+                self.stop_reason = s
                 return "stop"
         return "length" if len(self.output_token_ids) >= params.max_tokens else None
+
+    def _add_text(self, token: int) -> str:
+        piece = self.text_stream(token) if self.text_stream is not None else None
+        if piece:
+            self.output_text += piece
+        return piece or ""
 
 
 @dataclass(frozen=True)

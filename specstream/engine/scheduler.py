@@ -22,11 +22,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
+from typing import Any
 
 from specstream.config import EngineConfig
 from specstream.engine.host_split import by_layer, split_for_host
 from specstream.engine.layout import RuntimeLayout
-from specstream.engine.request import Request, Status
+from specstream.engine.request import Request, Status, TextCodec, TokenLogprobs
 from specstream.engine.shaping import RoundShaper
 from specstream.engine.step import DraftWork, SeqWork, StepOutput, StepPlan, StepUpdate, Writebacks
 from specstream.kvcache.manager import KVManager, OffloadPolicy, residency_targets
@@ -56,7 +57,7 @@ class Scheduler:
         restore_layers: int | None = None,
         max_model_len: int = 1 << 62,
         eos_token_ids: Collection[int] = (),
-        decode: Callable[[list[int]], str] | None = None,
+        tokenizer: TextCodec | None = None,
         history_token_bytes: int = 0,
         num_layers: int = 1,
     ) -> None:
@@ -68,11 +69,11 @@ class Scheduler:
         # history on the device (the one attended, the next one prefetched), in pool blocks
         # lent to the step; each request reserves its share (2 / layers of its host blocks).
         self.restore_layers = restore_layers
-        # Runtime facts of the model: its context, its end-of-sequence ids, its detokenizer
-        # (for stop strings and the final text; None for a folder without a tokenizer).
+        # Runtime facts of the model: its context, its end-of-sequence ids, its tokenizer (the
+        # output text, stop strings; None for a folder without one).
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.decode = decode
+        self.tokenizer = tokenizer
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -117,7 +118,7 @@ class Scheduler:
 
     @classmethod
     def for_layout(cls, config: EngineConfig, layout: RuntimeLayout,
-                   decode: Callable[[list[int]], str] | None = None) -> Scheduler:
+                   tokenizer: TextCodec | None = None) -> Scheduler:
         """The scheduler and its KV manager as the engine runs them on ``layout`` (the
         simulator's replay builds them the same way, without a model)."""
         policy = OffloadPolicy(offload=config.mode_spec.offload,
@@ -128,7 +129,8 @@ class Scheduler:
                        policy, prefix_caching=config.enable_prefix_caching)
         return cls(config, kv, restore_layers=layout.restore_layers,
                    max_model_len=layout.max_model_len, eos_token_ids=layout.eos_token_ids,
-                   decode=decode, history_token_bytes=layout.block_bytes // config.block_size,
+                   tokenizer=tokenizer,
+                   history_token_bytes=layout.block_bytes // config.block_size,
                    num_layers=layout.num_layers)
 
     # ---- admission ----------------------------------------------------------------------
@@ -211,6 +213,8 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.check_fits(req)
+        if self.tokenizer is not None:
+            req.text_stream = self.tokenizer.decode_stream(req.params.skip_special_tokens)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -228,10 +232,14 @@ class Scheduler:
             if not self.kv.policy.offload:
                 # resident: hold the whole reservation now, as one run of consecutive blocks
                 self.kv.allocate(req.request_id, (r.device_blocks - 1) * self.config.block_size)
-            if not req.num_computed_tokens:  # prefix-cache hit: copies, not prefill
+            # prefix-cache hit: copies, not prefill (not with prompt_logprobs, which need the
+            # logits of every prompt position, as vLLM)
+            if not req.num_computed_tokens and req.params.prompt_logprobs is None:
                 hit, copies = self.kv.adopt_prefix(req.request_id, req.prompt_token_ids)
-                req.num_computed_tokens = hit
+                req.num_computed_tokens = req.num_cached_tokens = hit
                 self._cache_copies += copies
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.perf_counter()
             self._reserved[req.request_id] = r
             self._reserved_device += r.device_total
             self._reserved_host += r.host_blocks
@@ -449,6 +457,7 @@ class Scheduler:
             self.kv.allocate(rid, len(inputs))
             seq = self.kv.seqs[rid]
             seqs.append(SeqWork(
+                **self._sampling_inputs(req, len(tokens), sample),
                 request_id=rid,
                 token_ids=inputs,
                 start_pos=req.num_computed_tokens,
@@ -473,6 +482,20 @@ class Scheduler:
         copies, self._cache_copies = tuple(self._cache_copies), []
         return StepPlan(tuple(seqs), self._draft_work(seqs, prefilling), finished, lent, moving,
                         cache_copies=copies)
+
+    @staticmethod
+    def _sampling_inputs(req: Request, num_inputs: int, sample: bool) -> dict[str, Any]:
+        """What the worker needs besides the tokens for the request's logits: the tokens
+        generated so far (min_tokens, penalties; the history only with a penalty) and the prompt
+        tokens a prefill chunk's inputs predict (prompt_logprobs)."""
+        p, start, out = req.params, req.num_computed_tokens, len(req.output_token_ids)
+        fields: dict[str, Any] = {"output_len": out}
+        if sample and p.penalized:
+            fields["history"] = tuple(req.all_token_ids)
+        if p.prompt_logprobs is not None and req.in_prefill:
+            prompt = req.prompt_token_ids
+            fields["prompt_targets"] = tuple(prompt[start + 1 : start + num_inputs + 1])
+        return fields
 
     def _draft_work(self, seqs: list[SeqWork], prefilling: bool) -> tuple[DraftWork, ...]:
         """Who drafts in this step. Requests not verified in it and still without drafts
@@ -592,10 +615,12 @@ class Scheduler:
             if work.sample and new is None:
                 continue
             new = new or []
+            if req.prompt_logprobs is not None:
+                req.prompt_logprobs += output.prompt_logprobs.get(work.request_id, [])
             if work.sample:
                 self._count_round(req, work, len(new))
             self._commit(work, req, len(new))
-            result.num_appended += self._append(req, new)
+            result.num_appended += self._append(req, new, output.logprobs.get(work.request_id))
             pairs = [] if req.finished else self.kv.plan_writeback(req.request_id)
             if pairs and work.prefill:
                 result.writebacks[req.request_id] = pairs
@@ -653,20 +678,31 @@ class Scheduler:
         req.num_proposed += work.num_drafts
         req.num_accepted += num_new - 1
 
-    def _append(self, req: Request, new: list[int]) -> int:
-        """Append emitted tokens up to the first that ends the request; returns how many."""
+    def _append(self, req: Request, new: list[int],
+                logprobs: list[TokenLogprobs] | None = None) -> int:
+        """Append emitted tokens (and their log-probabilities) up to the first that ends the
+        request; returns how many."""
+        if new:
+            req.last_token_time = time.perf_counter()
         for i, tok in enumerate(new, 1):
-            req.output_token_ids.append(tok)
-            reason = req.stop_reason(self.eos_token_ids, self.decode)
+            reason = req.append(tok, self.eos_token_ids, logprobs[i - 1] if logprobs else None)
             if reason is not None:
                 self.finish(req, reason)
                 return i
         return len(new)
 
     def finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        """End a request (stop, length, abort, error): free its KV and its reservation."""
-        if req.output_text == "" and self.decode is not None and reason != "error":
-            req.output_text = self.decode(req.output_token_ids)
+        """End a request (stop, length, abort, error): free its KV and its reservation. The
+        text is final: cut at a stop string, else the whole output decoded once (what the
+        incremental decoder holds back of an unfinished character included)."""
+        if self.tokenizer is not None and reason != "error" and not isinstance(
+                req.stop_reason, str):
+            ids = req.output_token_ids
+            if reason == "stop" and not req.params.include_stop_str_in_output and ids and (
+                    ids[-1] in req.params.stop_token_ids or ids[-1] in self.eos_token_ids):
+                ids = ids[:-1]  # eos or a stop token ended it: its text is left out
+            req.output_text = self.tokenizer.decode(
+                ids, skip_special_tokens=req.params.skip_special_tokens)
         req.finish_time = time.perf_counter()
         req.status = Status.FINISHED
         req.finish_reason = reason

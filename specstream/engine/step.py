@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specstream.engine.request import Request
+from specstream.engine.request import Request, TokenLogprobs
 from specstream.sampling_params import SamplingParams
 
 
@@ -50,6 +50,14 @@ class SeqWork:
     # Per layer, how many of host_blocks that layer attends on the host (empty: all of them
     # in every layer); a layer's others cross the link before restore_chunks (layer_chunks).
     host_layers: tuple[int, ...] = ()
+    # Logits processing (SamplingParams.processes_logits; sampling.process_logits): tokens
+    # generated before the step's first sampled position, and, with a penalty, the prompt and
+    # those tokens (empty otherwise).
+    output_len: int = 0
+    history: tuple[int, ...] = ()
+    # SamplingParams.prompt_logprobs: the prompt tokens the chunk's inputs predict (input i
+    # predicts the one after it), empty otherwise.
+    prompt_targets: tuple[int, ...] = ()
 
     def layer_host_blocks(self, layer: int) -> tuple[int, ...]:
         """The blocks ``layer`` attends on the host."""
@@ -193,6 +201,10 @@ class StepOutput:
     tree_ranks: dict[str, list[tuple[int, int | None]]] = field(default_factory=dict)
     # request id -> why its work failed (a transfer, its drafting, the whole step).
     errors: dict[str, str] = field(default_factory=dict)
+    # SamplingParams.logprobs: request id -> one entry per token of new_tokens.
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: request id -> one entry per SeqWork.prompt_targets.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Timings (perf_counter seconds): step start, wall time, time blocked on the link, drafting.
     start: float = 0.0
     wall_s: float = 0.0

@@ -14,8 +14,8 @@ to the slots after the root in path order, where the scheduler's commit keeps th
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,17 +30,19 @@ from specstream.backends.base import (
 from specstream.engine.drafting import Drafting
 from specstream.engine.history import HistorySource
 from specstream.engine.host_attention import HostAttention
-from specstream.engine.request import RequestError
+from specstream.engine.request import RequestError, TokenLogprobs
 from specstream.engine.round import run_round
 from specstream.engine.step import DraftWork, SeqWork, StepOutput, StepPlan
 from specstream.engine.trace import Tracer
 from specstream.kvcache.storage import KVStore
 from specstream.models.decoder import CausalLM
-from specstream.sampling import make_generator
+from specstream.sampling import TokenContext, make_generator, process_logits
 from specstream.sampling_params import SamplingParams
 from specstream.spec.acceptance import accept_drafts_on_device
 from specstream.spec.proposer import Proposal, ProposeJob, Proposer, ProposeRequest
 from specstream.spec.tree import DraftTree, accept_tree_on_device
+
+PROMPT_LOGITS_ROWS = 512  # prompt_logprobs: logits rows computed at once (memory: rows x V)
 
 
 @dataclass
@@ -54,6 +56,52 @@ class _Verdict:
     packed: torch.Tensor
     # Tree rounds: every verified request's drafts as a tree (chains as one branch).
     trees: list[DraftTree] | None = None
+    # SamplingParams.logprobs: what the verified requests that asked for them get (on the
+    # device until the read-back).
+    logprobs: _Logprobs | None = None
+    # Tree rounds, after the read-back: each request's accepted path (by index in seqs).
+    paths: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class _Logprobs:
+    """Raw log-probabilities of some requests' rows of a verification, on the device: every
+    node's (draft's) at the row that predicts it, the extra token's at its row, and each row's
+    most likely tokens. Rows are numbered within these requests only."""
+
+    seqs: list[int]  # their index in the verdict
+    row_off: list[int]  # per request, its first row (the root's); nodes at row_off + 1 + i
+    node_rows: list[list[int]]  # per request, per node: the row predicting it
+    k: int  # most likely tokens per row
+    # [N], [N], [B'], [B'], [R' * k], [R' * k]: node logprobs and ranks, the extra token's
+    # logprob and rank, the top-k logprobs and token ids of every row
+    packed: torch.Tensor
+    num_nodes: int = 0
+    num_rows: int = 0
+    chain_width: int = 0  # chains: rows per request (q + 1); 0 for trees
+
+
+@dataclass
+class _ReadBack:
+    """Everything a step reads from the device, copied in one go at the end of the round
+    (``sync_point``): each part with what takes its values."""
+
+    parts: list[torch.Tensor] = field(default_factory=list)
+    takers: list[Callable[[list[float]], None]] = field(default_factory=list)
+
+    def add(self, values: torch.Tensor, take: Callable[[list[float]], None]) -> None:
+        self.parts.append(values.flatten())
+        self.takers.append(take)
+
+    def run(self) -> None:
+        if not self.parts:
+            return
+        with sync_point():  # float64 holds every token id and count exactly
+            values: list[float] = torch.cat([p.double() for p in self.parts]).tolist()
+        at = 0
+        for part, take in zip(self.parts, self.takers):
+            take(values[at : at + part.numel()])
+            at += part.numel()
 
 
 class Worker:
@@ -63,9 +111,11 @@ class Worker:
     def __init__(
         self, model: CausalLM, store: KVStore, backend: TransferBackend, history: HistorySource,
         proposer: Proposer | None, drafting: Drafting, attention: type[WaveAttention],
-        tracer: Tracer | None = None,
+        tracer: Tracer | None = None, stop_ids: Collection[int] = (),
     ) -> None:
+        """``stop_ids``: the model's end-of-sequence ids (min_tokens masks them)."""
         self.model, self.store, self.backend, self.history = model, store, backend, history
+        self.stop_ids = frozenset(stop_ids)
         self.attention = attention
         self.proposer, self.drafting = proposer, drafting
         self.device = store.device.device
@@ -97,11 +147,11 @@ class Worker:
         during = [d for d in plan.drafts if not d.after_verify]
         job = self._start(during, {}, out)
         self.drafting.begin(job)
-        verdict: _Verdict | None = None
+        reads = _ReadBack()
         try:
             if plan.seqs:
                 with self.tracer.span("verify", "verify", tokens=plan.num_tokens):
-                    verdict = self._forward_and_verify(plan, out)
+                    self._forward_and_verify(plan, out, reads)
         except BaseException:
             self.drafting.abort()
             for d in plan.drafts:  # their draft caches may be part-advanced: start them anew
@@ -111,7 +161,7 @@ class Worker:
             out.errors.update(self._wait(writebacks))
         out.wait_s = self.history.wait_s - wait0
         out.draft_s = self.drafting.end()
-        self._read_back(verdict, job, out)
+        self._read_back(reads, job, out)
         after = [d for d in plan.drafts if d.after_verify and d.request_id not in out.errors]
         job = self._start(after, out.new_tokens, out)
         if job is not None:
@@ -173,20 +223,16 @@ class Worker:
                 batch = [b for b in batch if b.request_id != exc.request_id]
         return None
 
-    def _read_back(self, verdict: _Verdict | None, job: ProposeJob | None,
-                   out: StepOutput) -> None:
-        """The round's one read-back: the verified requests' tokens and counts and the other
-        group's drafts come to the host in a single copy (``sync_point``)."""
+    def _read_back(self, reads: _ReadBack, job: ProposeJob | None, out: StepOutput) -> None:
+        """The round's one read-back: the verified requests' tokens and counts (and any
+        log-probabilities asked for) and the other group's drafts come to the host in a single
+        copy (``sync_point``)."""
         drafted = job.device_tokens() if job is not None else None
-        parts = [] if verdict is None else [verdict.packed]
-        parts += [] if drafted is None else [drafted]
-        with sync_point():
-            values: list[int] = torch.cat(parts).tolist() if parts else []
-        if verdict is not None:
-            self._apply(verdict, values[: verdict.packed.numel()], out)
-        if job is not None:
-            rest = values[len(values) - drafted.numel():] if drafted is not None else None
-            self._take(job, out, rest)
+        if drafted is not None:
+            reads.add(drafted, lambda v: self._take(job, out, [int(x) for x in v]))
+        reads.run()
+        if job is not None and drafted is None:
+            self._take(job, out)
 
     def _take(self, job: ProposeJob | None, out: StepOutput,
               read: list[int] | None = None) -> None:
@@ -207,15 +253,23 @@ class Worker:
             self.draft_probs[r.request_id] = prop.probs
 
     # ---- verification -------------------------------------------------------------------
-    def _forward_and_verify(self, plan: StepPlan, out: StepOutput) -> _Verdict | None:
+    def _forward_and_verify(self, plan: StepPlan, out: StepOutput, reads: _ReadBack) -> None:
         hidden, rows, failed = run_round(self.model, plan, self.store, self.history,
                                          self.drafting.gap, self.attention,
                                          self.drafting.copies_issued, self.host)
         out.errors.update(failed)
+        ok = [i for i, s in enumerate(plan.seqs) if s.request_id not in out.errors]
+        for i in ok:
+            if plan.seqs[i].prompt_targets:
+                self._prompt_logprobs(plan.seqs[i], rows[i], hidden, out, reads)
         # rows whose logits are needed: the last token and every draft of sampling requests
-        sampled = [i for i, s in enumerate(plan.seqs) if s.sample and s.request_id not in
-                   out.errors]
-        return self._verify(plan, sampled, rows, hidden) if sampled else None
+        sampled = [i for i in ok if plan.seqs[i].sample]
+        if sampled:
+            verdict = self._verify(plan, sampled, rows, hidden)
+            reads.add(verdict.packed, lambda v: self._apply(verdict, [int(x) for x in v], out))
+            lp = verdict.logprobs
+            if lp is not None:
+                reads.add(lp.packed, lambda v: self._take_logprobs(verdict, lp, v, out))
 
     def _verify(
         self,
@@ -236,8 +290,11 @@ class Worker:
             draft_ids += list(s.token_ids[len(s.token_ids) - s.num_drafts :]) + [0] * (q + 1 - n)
         index_t, drafts_t = upload([index, draft_ids], torch.long, self.device)
         assert index_t is not None and drafts_t is not None
-        logits = self.model.compute_logits(hidden[index_t])
-        logits = logits.view(len(sampled), q + 1, -1)  # stays on the device
+        raw = self.model.compute_logits(hidden[index_t])  # [B * (q + 1), V], on the device
+        # row j of a request as if its drafts 0..j-1 had been generated (padding rows: all)
+        chains = [[s.token_ids[len(s.token_ids) - s.num_drafts:][: min(j, s.num_drafts)]
+                   for j in range(q + 1)] for s in seqs]
+        logits = self._process(raw, seqs, chains).view(len(sampled), q + 1, -1)
         drafts = drafts_t.view(len(sampled), q)
         probs = [self.draft_probs.get(s.request_id) if s.num_drafts else None for s in seqs]
         draft_probs = None
@@ -254,7 +311,14 @@ class Worker:
             logits, drafts, [s.num_drafts for s in seqs], draft_probs,
             [s.params for s in seqs], [self._generator(s.request_id, s.params) for s in seqs],
         )
-        return _Verdict(seqs, torch.cat([num_accepted[:, None], tokens], dim=1).flatten())
+        # the extra token sits at row num_accepted of its request
+        extra = tokens.gather(1, num_accepted[:, None]).squeeze(1)
+        pred_rows = [list(range(s.num_drafts)) for s in seqs]  # draft j: predicted by row j
+        lp = self._logprobs(raw, seqs, [b * (q + 1) for b in range(len(seqs))], pred_rows,
+                            [list(s.token_ids[len(s.token_ids) - s.num_drafts:]) for s in seqs],
+                            num_accepted, extra, chain_width=q + 1)
+        return _Verdict(seqs, torch.cat([num_accepted[:, None], tokens], dim=1).flatten(),
+                        logprobs=lp)
 
     def _verify_trees(
         self,
@@ -274,11 +338,163 @@ class Worker:
             probs.append(self._tree_probs(s, tree))
         index_t = upload([index], torch.long, self.device)[0]
         assert index_t is not None
-        logits = self.model.compute_logits(hidden[index_t])  # [sum_b (N_b + 1), V]
+        raw = self.model.compute_logits(hidden[index_t])  # [sum_b (N_b + 1), V]
+        # row 1 + i of a request as if the nodes from the root to node i had been generated
+        paths = [[()] + [tuple(t.tokens[j] for j in t.path(i)) for i in range(len(t))]
+                 for t in trees]
+        logits = self._process(raw, seqs, paths)
         last, extra = accept_tree_on_device(
             logits, trees, probs if any(p is not None for p in probs) else None,
             [s.params for s in seqs], [self._generator(s.request_id, s.params) for s in seqs])
-        return _Verdict(seqs, torch.stack([last, extra], dim=1).flatten(), trees)
+        offsets, at = [], 0
+        for t in trees:
+            offsets.append(at)
+            at += len(t) + 1
+        # node i is predicted by its parent's row (the root's: row 0); the extra token by the
+        # deepest accepted node's (last = -1: the root's)
+        pred_rows = [[p + 1 for p in t.parents] for t in trees]
+        lp = self._logprobs(raw, seqs, offsets, pred_rows, [list(t.tokens) for t in trees],
+                            last + 1, extra)
+        return _Verdict(seqs, torch.stack([last, extra], dim=1).flatten(), trees, lp)
+
+    def _process(self, raw: torch.Tensor, seqs: list[SeqWork],
+                 paths: list[list[tuple[int, ...]]]) -> torch.Tensor:  # [R, V]
+        """The verification logits after logit_bias, min_tokens and the penalties (each row as
+        if the draft tokens on its path had been generated); ``raw`` itself when no request
+        asks for any of them."""
+        if not any(s.params.processes_logits for s in seqs):
+            return raw
+        contexts = []
+        for s in seqs:
+            prompt_len = len(s.history) - s.output_len
+            contexts.append(TokenContext(s.output_len, s.history[:prompt_len],
+                                         s.history[prompt_len:]))
+        return process_logits(raw, [s.params for s in seqs], contexts, paths, self.stop_ids)
+
+    def _logprobs(
+        self,
+        raw: torch.Tensor,  # [R, V] the verification's raw logits, every request's rows
+        seqs: list[SeqWork],
+        row_off: list[int],  # per request, its first row in raw
+        node_rows: list[list[int]],  # per request, per node: the row (from row_off) predicting it
+        node_tokens: list[list[int]],
+        extra_row: torch.Tensor,  # [B] device: the row (from row_off) of the extra token
+        extra: torch.Tensor,  # [B] device: the extra token
+        chain_width: int = 0,
+    ) -> _Logprobs | None:
+        """SamplingParams.logprobs of a verification: the target's raw log-softmax at every
+        row of the requests that asked, left on the device (what was emitted is known only
+        after the read-back, so every node's and the extra token's are taken)."""
+        want = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not want:
+            return None
+        k = min(max(seqs[b].params.logprobs or 0 for b in want), raw.shape[-1])
+        rows: list[int] = []
+        offs: list[int] = []
+        n_rows: list[int] = []
+        n_tok: list[int] = []
+        sub_nodes: list[list[int]] = []
+        for b in want:
+            size = (chain_width or len(node_tokens[b]) + 1)
+            offs.append(len(rows))
+            rows += range(row_off[b], row_off[b] + size)
+            n_rows += [offs[-1] + r for r in node_rows[b]]
+            n_tok += node_tokens[b]
+            sub_nodes.append(node_rows[b])
+        rows_t, n_rows_t, n_tok_t, offs_t, want_t = upload(
+            [rows, n_rows, n_tok, offs, want], torch.long, self.device)
+        assert rows_t is not None and offs_t is not None and want_t is not None
+        lp = torch.log_softmax(raw.index_select(0, rows_t).float(), dim=-1)  # [R', V]
+        e_rows = offs_t + extra_row.index_select(0, want_t)
+        e_lp = lp[e_rows, extra.index_select(0, want_t)]
+        e_rank = (lp[e_rows] > e_lp[:, None]).sum(-1) + 1
+        parts = []
+        if n_tok:
+            assert n_rows_t is not None and n_tok_t is not None
+            node_lp = lp[n_rows_t, n_tok_t]
+            parts += [node_lp, (lp[n_rows_t] > node_lp[:, None]).sum(-1) + 1]
+        parts += [e_lp, e_rank]
+        if k:
+            top, top_ids = lp.topk(k, dim=-1)
+            parts += [top.flatten(), top_ids.flatten()]
+        packed = torch.cat([p.double() for p in parts])
+        return _Logprobs(want, offs, sub_nodes, k, packed, len(n_tok), len(rows), chain_width)
+
+    def _take_logprobs(self, verdict: _Verdict, lp: _Logprobs, values: list[float],
+                       out: StepOutput) -> None:
+        """The emitted tokens' entries, read back: the nodes of each accepted path and the
+        extra token, with the most likely tokens of the rows that predicted them."""
+        n, b_ = lp.num_nodes, len(lp.seqs)
+        node_lp, node_rank = values[:n], values[n : 2 * n]
+        e_lp, e_rank = values[2 * n : 2 * n + b_], values[2 * n + b_ : 2 * n + 2 * b_]
+        top_at = 2 * n + 2 * b_
+        k = lp.k
+
+        def top(row: int) -> tuple[tuple[int, float], ...]:
+            at = top_at + row * k
+            ids = values[at + lp.num_rows * k : at + lp.num_rows * k + k]
+            return tuple((int(t), v) for t, v in zip(ids, values[at : at + k]))
+
+        node_at = 0
+        for j, b in enumerate(lp.seqs):
+            s = verdict.seqs[b]
+            rid = s.request_id
+            toks = out.new_tokens.get(rid)
+            nodes = lp.node_rows[j]
+            if toks is None:
+                node_at += len(nodes)
+                continue
+            path = (tuple(range(len(toks) - 1)) if verdict.trees is None
+                    else verdict.paths[b])
+            entries: list[TokenLogprobs] = []
+            for i in path:
+                row = lp.row_off[j] + nodes[i]
+                entries.append(TokenLogprobs(toks[len(entries)], node_lp[node_at + i],
+                                             int(node_rank[node_at + i]), top(row)))
+            last = lp.row_off[j] + (len(path) if verdict.trees is None
+                                    else (path[-1] + 1 if path else 0))
+            entries.append(TokenLogprobs(toks[-1], e_lp[j], int(e_rank[j]), top(last)))
+            out.logprobs[rid] = entries
+            node_at += len(nodes)
+
+    def _prompt_logprobs(self, s: SeqWork, rows: tuple[int, int], hidden: torch.Tensor,
+                         out: StepOutput, reads: _ReadBack) -> None:
+        """SamplingParams.prompt_logprobs of a prefill chunk: input i predicts
+        ``s.prompt_targets[i]`` (the raw log-softmax), in slices of logits rows."""
+        lo = rows[0]
+        targets = list(s.prompt_targets)
+        k = min(s.params.prompt_logprobs or 0, self.model.config.vocab_size)
+        parts = []
+        for a in range(0, len(targets), PROMPT_LOGITS_ROWS):
+            b = min(len(targets), a + PROMPT_LOGITS_ROWS)
+            lp = torch.log_softmax(self.model.compute_logits(hidden[lo + a : lo + b]).float(),
+                                   dim=-1)
+            tgt = upload([targets[a:b]], torch.long, self.device)[0]
+            assert tgt is not None
+            chosen = lp.gather(1, tgt[:, None]).squeeze(1)
+            part = [chosen, (lp > chosen[:, None]).sum(-1) + 1]
+            if k:
+                top, ids = lp.topk(k, dim=-1)
+                part += [top.flatten(), ids.flatten()]
+            parts.append(torch.cat([p.double() for p in part]))
+
+        def take(values: list[float]) -> None:
+            entries, at = [], 0
+            for a in range(0, len(targets), PROMPT_LOGITS_ROWS):
+                m = min(len(targets), a + PROMPT_LOGITS_ROWS) - a
+                lps, ranks = values[at : at + m], values[at + m : at + 2 * m]
+                top_at = at + 2 * m
+                tops = values[top_at : top_at + m * k]
+                ids = values[top_at + m * k : top_at + 2 * m * k]
+                for i in range(m):
+                    entries.append(TokenLogprobs(
+                        targets[a + i], lps[i], int(ranks[i]),
+                        tuple((int(t), v) for t, v in zip(ids[i * k : (i + 1) * k],
+                                                          tops[i * k : (i + 1) * k]))))
+                at += 2 * m + 2 * m * k
+            out.prompt_logprobs[s.request_id] = entries
+
+        reads.add(torch.cat(parts), take)
 
     def _tree_probs(self, s: SeqWork, tree: DraftTree) -> torch.Tensor | None:
         """The request's draft distributions as ``accept_tree`` reads them (``[N + 1, V]``:
@@ -310,6 +526,7 @@ class Worker:
             else:
                 tree = verdict.trees[b]
                 path = tree.path(r[0])
+                verdict.paths[b] = path
                 toks = [tree.tokens[i] for i in path] + [r[1]]
                 moves += self._path_moves(s, path)
                 out.tree_ranks[s.request_id] = _ranks(tree, path)

@@ -59,8 +59,11 @@ def accept_drafts(
     ``target_logits[b, j]`` is the target's prediction after input position j of request b: the
     inputs are the last accepted token followed by the drafts, so position j checks draft j and
     position ``num_drafts[b]`` predicts the token after the last draft. Let p be the target
-    distribution and q the draft distribution, both after the SAME temperature/top-k/top-p
-    processing (``draft_probs`` must already be processed).
+    distribution and q the draft distribution. The target logits come processed by
+    ``sampling.process_logits`` where a request has a bias, a penalty or min_tokens (each draft
+    position as if the drafts before it had been generated); temperature, min-p, top-k and top-p
+    are applied here. ``draft_probs`` are what the drafts were drawn from (any distribution
+    keeps the output exact; the closer to p, the more is accepted).
 
     - accepted tokens: drafts x_0..x_{n-1} taken in order while each passes the test
       u < p(x)/q(x), u ~ U[0, 1) (so x is kept with probability min(1, p(x)/q(x)));
@@ -112,20 +115,21 @@ def accept_drafts_on_device(
     temp: Tensor | list[float]
     top_k: Tensor | list[int]
     top_p: Tensor | list[float]
+    min_p: Tensor | list[float] | float
     if isinstance(params, SamplingTensors):
-        st = params
-        greedy_rows = st.greedy.tolist()  # tensors given: reading them costs a sync
-        temp, top_k, top_p = (st.temperature.repeat_interleave(q_plus_1),
-                              st.top_k.repeat_interleave(q_plus_1),
-                              st.top_p.repeat_interleave(q_plus_1))
+        st = params.repeat_interleave(q_plus_1)
+        greedy_rows = params.greedy.tolist()  # tensors given: reading them costs a sync
+        temp, top_k, top_p = st.temperature, st.top_k, st.top_p
+        min_p = 0.0 if st.min_p is None else st.min_p
     else:
         greedy_rows = [p.greedy for p in params]
         temp = [p.temperature for p in params for _ in range(q_plus_1)]
         top_k = [p.top_k for p in params for _ in range(q_plus_1)]
         top_p = [p.top_p for p in params for _ in range(q_plus_1)]
+        min_p = [p.min_p for p in params for _ in range(q_plus_1)]
     greedy = to_device(greedy_rows, torch.bool, dev)  # [B]
 
-    p = logits_to_probs(target_logits.reshape(-1, vocab), temp, top_k, top_p)
+    p = logits_to_probs(target_logits.reshape(-1, vocab), temp, top_k, top_p, min_p=min_p)
     p = p.view(bsz, q_plus_1, vocab)  # [B, Q+1, V]
     rows = torch.arange(bsz, device=dev)
     valid = torch.arange(q, device=dev)[None, :] < n_drafts[:, None]  # [B, Q]

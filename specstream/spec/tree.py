@@ -142,10 +142,12 @@ def accept_tree(
     prediction after the root, row 1 + i after node i. ``draft_probs`` rows likewise: row 0 the
     draft distribution the root's children were drawn from, row 1 + i the one node i's children
     were drawn from (leaf rows are never used, any value will do). For a chain, draft j sits at
-    row j, as in ``accept_drafts``. p (target) and q (draft) must be processed with the SAME
-    temperature/top-k/top-p; ``draft_probs`` must already be, the target logits are processed
-    here. A tensor for ``draft_probs`` holds every request's rows; a sequence may have None for
-    point-mass requests; None means point masses for all.
+    row j, as in ``accept_drafts``. The target logits come processed by
+    ``sampling.process_logits`` where a request has a bias, a penalty or min_tokens (row 1 + i
+    as if the nodes from the root to node i had been generated); temperature, min-p, top-k and
+    top-p are applied here. ``draft_probs`` are what the children were drawn from. A tensor
+    for ``draft_probs`` holds every request's rows; a sequence may have None for point-mass
+    requests; None means point masses for all.
 
     Starting at the root with p, q the distributions there, try its children in index order:
 
@@ -222,7 +224,8 @@ def accept_tree_on_device(
     p = logits_to_probs(  # [R, V]
         logits, [s.temperature for s, n in zip(params, sizes) for _ in range(n)],
         [s.top_k for s, n in zip(params, sizes) for _ in range(n)],
-        [s.top_p for s, n in zip(params, sizes) for _ in range(n)])
+        [s.top_p for s, n in zip(params, sizes) for _ in range(n)],
+        min_p=[s.min_p for s, n in zip(params, sizes) for _ in range(n)])
     top = p.argmax(-1)  # [R]; p is one-hot on greedy rows
     t = _Tables.build(trees, greedy, draft_probs, vocab, dev)
 
