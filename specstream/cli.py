@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from specstream.config import DEFAULT_SPECULATIVE_TOKENS, MAX_TREE_NODES, MODES, EngineConfig
+from specstream.config import DEFAULT_SPECULATIVE_TOKENS, MAX_TREE_NODES, MODES, EngineConfig, GiB
 
 Command = Callable[[argparse._SubParsersAction], None]  # registers one subcommand
 _COMMANDS: list[Command] = []
@@ -37,9 +38,26 @@ def _default(name: str) -> object:
     return EngineConfig.__dataclass_fields__[name].default
 
 
+def human_readable_int(text: str) -> int:
+    """An integer as vLLM's flags take them: ``32768``, ``32k`` (32,000), ``25.6k`` (25,600),
+    ``32K`` (32,768); k/m/g/t count in thousands, K/M/G/T in 1024s (whole numbers only)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r} (e.g. 32768, 32k, 32K)")
+    number, suffix = match.groups()
+    if suffix and suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: decimals go with k/m/g/t (thousands), not with K/M/G/T (1024s)")
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1 if suffix else 0)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine options shared by every command that builds an engine. Unset ones keep
-    EngineConfig's defaults (named in each help), so the CLI and the Python API agree."""
+    EngineConfig's defaults (named in each help), so the CLI and the Python API agree.
+    vLLM's spellings are accepted where the concept exists here (each help says how it maps);
+    flags named in bytes take bytes, vLLM's sizes take GiB as vLLM's do."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="HF model folder (default: the embedded target)")
@@ -65,15 +83,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-policy", choices=["auto", "fixed"], default=None,
                    help="'fixed': every round drafts -q tokens; 'auto': the engine chooses each "
                         "round's chain depth (0 to -q) for the most expected tokens per second "
-                        f"from what it measures (default: {_default('speculative_policy')})")
-    g.add_argument("--device", default="cpu", help="cpu, or cuda[:N]")
+                        "from what it measures (default: auto with a proposer, else fixed)")
+    g.add_argument("--device", default="auto",
+                   help="auto (CUDA when this torch sees a CUDA device, else cpu, as vLLM), "
+                        "cpu, or cuda[:N]")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV dtype (auto: bfloat16 on cuda, float32 on cpu)")
     g.add_argument("--device-kv-bytes", type=float, default=None,
-                   help="device memory for KV: resident tails and staging buffers (default: "
-                        "4 GiB); 1e7 and 10000000 both work")
+                   help="device memory for KV, in bytes: resident tails and staging buffers "
+                        "(default: 4 GiB); 1e7 and 10000000 both work")
     g.add_argument("--host-kv-bytes", type=float, default=None,
-                   help=f"host memory for offloaded KV (default: {_default('host_kv_bytes')})")
+                   help=f"host memory for offloaded KV, in bytes (default: "
+                        f"{_default('host_kv_bytes')}, 8 GiB)")
+    g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                   help="vLLM's name for the host tier's size, in GiB: the same as "
+                        f"--host-kv-bytes GIB x 2^30 (default: "
+                        f"{EngineConfig.host_kv_bytes / GiB:g})")
     g.add_argument("--block-size", type=int, default=None,
                    help=f"tokens per KV block (default: {_default('block_size')})")
     g.add_argument("--chunk-tokens", type=int, default=None,
@@ -105,10 +130,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-attention-gbps", type=float, default=None,
                    help="emulated host attention rate on the cpu backend, GB/s of KV attended "
                         "(default: none, as fast as the host computes)")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None,
-                   help="do not keep finished requests' KV blocks for later prompts that start "
-                        "with the same tokens (automatic prefix caching is on by default)")
+                   help="automatic prefix caching (vLLM's flag): keep finished requests' KV "
+                        "blocks for later prompts that start with the same tokens; "
+                        "--no-enable-prefix-caching turns it off (default: on)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   default=None, help="the same as --no-enable-prefix-caching (default: on)")
     g.add_argument("--offload-after-tokens", type=int, default=None,
                    help="a request's history moves to the host past this many tokens "
                         "(default: a quarter of the model's context, at most 8192)")
@@ -117,21 +145,55 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: none, copies at memory speed)")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help=f"requests decoded at once (default: {_default('max_num_seqs')})")
+    g.add_argument("--max-model-len", type=human_readable_int, default=None,
+                   help="longest prompt + output of a request, in tokens (32k = 32000, 32K = "
+                        "32768, as vLLM); at most the model's (default: the model's context)")
     g.add_argument("--max-prefill-tokens", type=int, default=None,
                    help=f"prompt tokens one step may prefill (default: "
                         f"{_default('max_prefill_tokens')})")
+    g.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None,
+                   help="vLLM's tokens per step, mapped to its nearest concept here, "
+                        "--max-prefill-tokens: the prompt tokens a step may prefill; the step's "
+                        "decode tokens (up to --max-num-seqs x (q + 1)) come on top of it, "
+                        "where vLLM counts them in (default: as --max-prefill-tokens)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of the engine's generator, which requests without their own "
+                        "seed sample from (generate: the request's own generator too) "
+                        f"(default: {_default('seed')})")
     g.add_argument("--draft-cache", choices=["window", "full"], default=None,
                    help="draft KV policy: attention sinks + recent window, or every token "
                         f"(default: {_default('draft_cache')})")
 
 
+# vLLM's flags that name an EngineConfig field under another name or unit:
+# (dest, flag, its field, the field's own flag, value -> field value)
+VLLM_ALIASES: tuple[tuple[str, str, str, str, Callable[[Any], Any]], ...] = (
+    ("kv_offloading_size", "--kv-offloading-size", "host_kv_bytes", "--host-kv-bytes",
+     lambda gib: int(gib * GiB)),
+    ("max_num_batched_tokens", "--max-num-batched-tokens", "max_prefill_tokens",
+     "--max-prefill-tokens", int),
+)
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """LLM(...) keyword arguments from parsed engine options (unset ones keep defaults)."""
+    """LLM(...) keyword arguments from parsed engine options (unset ones keep defaults).
+
+    Raises ValueError where a vLLM-named flag and the flag it stands for disagree.
+    """
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     kw = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     for k in ("device_kv_bytes", "host_kv_bytes"):
         if k in kw:
             kw[k] = int(kw[k])
+    for dest, flag, field, own_flag, convert in VLLM_ALIASES:
+        given = getattr(args, dest, None)
+        if given is None:
+            continue
+        value = convert(given)
+        if field in kw and kw[field] != value:
+            raise ValueError(f"{flag} {given:g} is {field}={value} but {own_flag} says "
+                             f"{kw[field]}; give one of them")
+        kw[field] = value
     kw.pop("draft_model", None)
     return kw
 
@@ -160,8 +222,6 @@ def _generate(sub: argparse._SubParsersAction) -> None:
                    help="sampling temperature; 0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 is off")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely; 0 is off")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed of the request's own generator (default: the engine's)")
     p.add_argument("--stop", action="append", default=None,
                    help="stop string, repeatable (default: none)")
     p.add_argument("--json", action="store_true",
@@ -181,6 +241,7 @@ def _run_generate(args: argparse.Namespace) -> int:
             prompt = f.read()
     else:
         prompt = args.prompt
+    # --seed seeds the engine and, as before, the request's own generator
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
     llm = build_llm(args, trace=args.trace is not None)

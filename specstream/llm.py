@@ -1,12 +1,19 @@
-"""The offline Python API, vLLM-like: ``LLM(...).generate(prompts, SamplingParams(...))``."""
+"""The offline Python API, vLLM-like: ``LLM(...).generate(prompts, SamplingParams(...))``.
+
+vLLM's spellings work where the concept exists: ``LLM(model, seed=..., max_model_len=...,
+enable_prefix_caching=..., speculative_config={...}, tensor_parallel_size=1)`` (any
+:class:`EngineConfig` field is a keyword), prompts as text, token ids, or vLLM's
+``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}`` dicts, and
+``generate(prompts, sampling_params=...)``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Required, TypedDict
 
 from tqdm.auto import tqdm
 
@@ -14,8 +21,26 @@ from specstream.config import MODES, EngineConfig
 from specstream.engine.llm_engine import LLMEngine
 from specstream.engine.request import RequestOutput
 from specstream.sampling_params import SamplingParams, derive_seed
+from specstream.speculative_config import engine_fields
 
-Prompt = str | Sequence[int]
+
+class TextPrompt(TypedDict, total=False):
+    """vLLM's ``TextPrompt``: text the model's tokenizer encodes."""
+
+    prompt: Required[str]
+
+
+class TokensPrompt(TypedDict, total=False):
+    """vLLM's ``TokensPrompt``: token ids as they are (``prompt``: their text, if known, for
+    ``RequestOutput.prompt``)."""
+
+    prompt_token_ids: Required[list[int]]
+    prompt: str
+
+
+Prompt = str | Sequence[int] | TextPrompt | TokensPrompt
+# vLLM's prompt dict keys for what this engine has not (multi-modal inputs, embeddings, ...)
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 def default_model_dir(kind: str = "target") -> Path:
@@ -28,7 +53,13 @@ class LLM:
 
     ``model=None`` uses the embedded default target; with ``proposer="draft"`` and no
     ``draft_model`` the embedded default draft is used. Other keyword arguments are
-    :class:`EngineConfig` fields (mode, device_kv_bytes, num_speculative_tokens, ...).
+    :class:`EngineConfig` fields (mode, device_kv_bytes, num_speculative_tokens, seed,
+    max_model_len, enable_prefix_caching, ...).
+
+    ``speculative_config`` takes vLLM's dict (``{"method": "draft_model", "model": DIR,
+    "num_speculative_tokens": 4}``, or ``"ngram"``; see :mod:`specstream.speculative_config`);
+    it must not contradict ``draft_model``, ``proposer`` or ``num_speculative_tokens`` given
+    as well. ``tensor_parallel_size`` must be 1: one engine runs on one device.
     """
 
     def __init__(
@@ -36,12 +67,21 @@ class LLM:
         model: str | Path | None = None,
         draft_model: str | Path | None = None,
         trace: bool = False,
+        *,
+        speculative_config: Mapping[str, Any] | None = None,
+        tensor_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(kwargs) - fields)
         if unknown:
             raise TypeError(f"unknown LLM option(s): {unknown}; valid: {sorted(fields)}")
+        if isinstance(tensor_parallel_size, bool) or tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r}: tensor "
+                             "parallelism is not built yet; an engine runs on one device "
+                             "(tensor_parallel_size=1)")
+        if speculative_config is not None:
+            draft_model = _apply_speculative_config(speculative_config, draft_model, kwargs)
         if model is None:
             model = default_model_dir("target")
             if draft_model is None and _wants_draft(kwargs):
@@ -54,7 +94,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def encode(self, prompt: Prompt) -> list[int]:
-        """A prompt as token ids (text is encoded with the model's tokenizer)."""
+        """A prompt as token ids (text is encoded with the model's tokenizer; vLLM's prompt
+        dicts give their ``prompt_token_ids``, or their ``prompt`` encoded)."""
+        if isinstance(prompt, Mapping):
+            return self.encode(_prompt_source(prompt))
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model folder has no tokenizer: give token-id prompts")
@@ -71,8 +114,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order."""
-        single = isinstance(prompts, str) or (
+        """Generate for every prompt (text, token ids, or vLLM's ``{"prompt": ...}`` and
+        ``{"prompt_token_ids": [...]}`` dicts; one, or a list); outputs come back in prompt
+        order."""
+        single = isinstance(prompts, (str, Mapping)) or (
             isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], int)
         )
         items: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
@@ -119,8 +164,7 @@ class LLM:
                 o.index = i
             first = final[group[0]]
             results.append(RequestOutput(
-                first.request_id, prompt if isinstance(prompt, str) else None, ptoks, outs,
-                True, first.metrics,
+                first.request_id, _prompt_text(prompt), ptoks, outs, True, first.metrics,
             ))
         return results
 
@@ -147,6 +191,55 @@ class LLM:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _apply_speculative_config(cfg: Mapping[str, Any], draft_model: str | Path | None,
+                              kwargs: dict[str, Any]) -> str | Path | None:
+    """vLLM's ``speculative_config`` onto ``kwargs`` (proposer, num_speculative_tokens);
+    returns the draft model folder. Raises ValueError where a keyword given as well says
+    otherwise."""
+    spec = engine_fields(cfg)
+    for key in ("proposer", "num_speculative_tokens"):
+        value, given = spec[key], kwargs.get(key)
+        if value is None:
+            continue
+        if given is not None and given != value:
+            raise ValueError(f"speculative_config sets {key}={value!r} but {key}={given!r} "
+                             "was given too; give one of them")
+        kwargs[key] = value
+    model = spec["draft_model"]
+    if model is not None and draft_model is not None and (
+            Path(model).resolve() != Path(draft_model).resolve()):
+        raise ValueError(f"speculative_config's model {model!r} is not draft_model "
+                         f"{str(draft_model)!r}; give one of them")
+    if spec["proposer"] == "ngram" and draft_model is not None:
+        raise ValueError("speculative_config says method ngram but draft_model names a draft "
+                         "model; give one of them")
+    return model if model is not None else draft_model
+
+
+def _prompt_source(prompt: Mapping[str, Any]) -> str | list[int]:
+    """What a vLLM prompt dict holds: its token ids, else its text."""
+    unknown = sorted(set(prompt) - set(PROMPT_KEYS))
+    if unknown:
+        raise ValueError(f"prompt key(s) {unknown} are not supported here (text and token-id "
+                         f"prompts only); a prompt dict takes {list(PROMPT_KEYS)}")
+    if "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if "prompt" not in prompt:
+        raise ValueError('a prompt dict needs "prompt" (text) or "prompt_token_ids"')
+    text = prompt["prompt"]
+    if not isinstance(text, str):
+        raise ValueError(f'"prompt" must be text, got {type(text).__name__}')
+    return text
+
+
+def _prompt_text(prompt: Prompt) -> str | None:
+    """``RequestOutput.prompt``: the prompt's text where it was given as text."""
+    if isinstance(prompt, Mapping):
+        text = prompt.get("prompt")
+        return text if isinstance(text, str) else None
+    return prompt if isinstance(prompt, str) else None
 
 
 def _wants_draft(kwargs: dict[str, Any]) -> bool:

@@ -17,6 +17,7 @@ from specstream.bench.runner import (
     workload_kv_bytes,
 )
 from specstream.bench.workload import Workload
+from specstream.config import detect_device
 
 # Default emulated link: 1 GB/s. At the default workload (8 requests x 4K tokens of a 6 KiB/token
 # target) a round restores ~100-200 MB, which at 1 GB/s takes about as long as the round's
@@ -68,7 +69,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default=None, help="target folder (default: embedded target)")
     p.add_argument("--draft-model", default=None, help="draft folder (default: embedded draft)")
-    p.add_argument("--device", default="cpu", help="cpu, or cuda[:N]")
+    p.add_argument("--device", default="auto",
+                   help="auto (CUDA when this torch sees a CUDA device, else cpu), cpu, or "
+                        "cuda[:N]")
     p.add_argument("--dtype", default="auto",
                    help="weights and KV dtype (auto: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--modes", default=",".join(ALL_MODES), help="comma-separated modes")
@@ -162,12 +165,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> BenchSettings:
+    # resolved here, so the settings (and the results JSON) name the device the run used
+    device = detect_device() if args.device == "auto" else args.device
     return BenchSettings(
-        model=args.model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
+        model=args.model, draft_model=args.draft_model, device=device, dtype=args.dtype,
         device_kv_bytes=int(args.device_kv_bytes),
         # the emulated link's rate; a real device's link sets its own pace (and the floors
         # then use the rate the engine measures)
-        link_gbps=None if args.device.startswith("cuda") else args.link_gbps,
+        link_gbps=None if device.startswith("cuda") else args.link_gbps,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_topk=args.speculative_topk,
         speculative_num_draft_tokens=args.speculative_num_draft_tokens,
