@@ -185,7 +185,7 @@ class MetricsExporter:
         cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
         base = ["model_name", "engine"] if engine else ["model_name"]
         values = [self.model_name, ENGINE] if engine else [self.model_name]
-        fam: Metric | None = None
+        fam: GaugeMetricFamily | CounterMetricFamily | None = None
         for labels, value in samples:
             if fam is None:
                 fam = cls(name, help, labels=[*base, *labels])
