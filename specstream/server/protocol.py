@@ -510,8 +510,9 @@ def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs |
             out["top_logprobs"].append(None)
             continue
         out["token_logprobs"].append(_floor(lp.logprob))
-        top = {names.text(t, p): _floor(p.logprob) for t, p in _top(pos, top_n)}
-        top.setdefault(text, _floor(lp.logprob))
+        top: dict[str, float] = {}
+        for t, p in [*_top(pos, top_n), (token_id, lp)]:  # tokens of the same text: the likelier
+            top.setdefault(names.text(t, p), _floor(p.logprob))
         out["top_logprobs"].append(top)
     return out, offset
 
