@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -485,11 +486,14 @@ def _top(position: PositionLogprobs, n: int) -> list[tuple[int, Logprob]]:
                   key=lambda item: item[1].rank)
 
 
-def _position(positions: list[PositionLogprobs | None] | None, i: int) -> PositionLogprobs | None:
+Positions = Sequence[PositionLogprobs | None]  # one entry per token (None: no logprobs)
+
+
+def _position(positions: Positions | None, i: int) -> PositionLogprobs | None:
     return positions[i] if positions is not None and i < len(positions) else None
 
 
-def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None] | None,
+def completion_logprobs(token_ids: list[int], positions: Positions | None,
                         top_n: int, names: TokenNames, offset: int = 0
                         ) -> tuple[dict[str, list[Any]], int]:
     """Completions ``logprobs`` for ``token_ids`` (``positions[i]`` holds token i's): tokens,
@@ -517,7 +521,7 @@ def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs |
     return out, offset
 
 
-def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None] | None,
+def chat_logprobs(token_ids: list[int], positions: Positions | None,
                   top_n: int, names: TokenNames) -> list[dict[str, Any]]:
     """Chat ``logprobs.content`` for ``token_ids``: each token with its log-probability, its
     bytes and the ``top_n`` most likely tokens at its position."""
@@ -535,7 +539,7 @@ def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None]
     return content
 
 
-def prompt_logprobs_body(positions: list[PositionLogprobs | None] | None, names: TokenNames
+def prompt_logprobs_body(positions: Positions | None, names: TokenNames
                          ) -> list[dict[str, dict[str, Any]] | None] | None:
     """vLLM's ``prompt_logprobs`` field: per prompt token, ``{token id: {logprob, rank,
     decoded_token}}`` (None for the first token)."""
