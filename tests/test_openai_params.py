@@ -717,3 +717,43 @@ def test_vllm_endpoints(live: LiveServer, offline: LLM) -> None:
     probe = httpx.post(live.url + "/tokenize", json={"prompt": info["eos_token"],
                                                      "add_special_tokens": False}).json()
     assert probe["tokens"] == [tok.eos_token_id]  # how it finds eos_token_id
+
+
+def test_serve_passes_the_options_to_the_server(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``specstream serve MODEL --chat-template ... --generation-config auto ...`` reaches
+    the engine's model and the ServerConfig (engine and uvicorn stubbed out)."""
+    import uvicorn
+
+    import specstream.server.app
+    import specstream.server.cli
+    from specstream.cli import main
+
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text('{"temperature": 0.3, "max_new_tokens": 9}')
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    seen: dict[str, Any] = {}
+
+    class Stub:
+        def close(self) -> None:
+            seen["closed"] = True
+
+    def build_llm(args: argparse.Namespace) -> Stub:
+        seen["model"] = args.model
+        return Stub()
+
+    monkeypatch.setattr(specstream.server.cli, "build_llm", build_llm)
+    monkeypatch.setattr(specstream.server.app, "build_app",
+                        lambda llm, config: seen.setdefault("config", config))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    rc = main(["serve", str(folder), "--chat-template", str(tmp_path / "t.jinja"),
+               "--enable-prompt-tokens-details"])
+    config = seen["config"]
+    assert rc == 0 and seen["model"] == str(folder) and seen["closed"]
+    assert config.model_name == "my-model" and config.chat_template == TEMPLATE
+    assert dict(config.default_sampling) == {"temperature": 0.3, "max_tokens": 9}
+    assert config.enable_prompt_tokens_details
+    seen.clear()
+    assert main(["serve", str(folder), "--generation-config", "vllm"]) == 0
+    assert dict(seen["config"].default_sampling) == {} and seen["config"].chat_template is None
