@@ -302,8 +302,9 @@ def test_request_histograms_count_what_the_requests_did(run: dict[str, Any]) -> 
     # every token after a request's first is one inter-token latency; their sum is the decode
     itl, step = "vllm:inter_token_latency_seconds", "specstream:inter_step_latency_seconds"
     assert value(ss, f"{itl}_count") == generated - requests
+    # (the engine's token times both; within 0.1 ms, its clock read in two places)
     assert value(ss, f"{itl}_sum") == pytest.approx(
-        value(ss, "vllm:request_decode_time_seconds_sum"), abs=1e-6)
+        value(ss, "vllm:request_decode_time_seconds_sum"), abs=1e-4)
     assert value(ss, f"{step}_sum") == pytest.approx(value(ss, f"{itl}_sum"), abs=1e-9)
     # a round's extra tokens wait 0: at least that many observations in the lowest bucket
     bursts = value(ss, f"{itl}_count") - value(ss, f"{step}_count")
