@@ -181,8 +181,9 @@ LM_EVAL_GENERATE = {"prompt": None, "model": MODEL, "max_tokens": 16, "temperatu
 # batch 1): reads choices[].message.content by choices[].index.
 LM_EVAL_CHAT = {"messages": MESSAGES, "model": MODEL, "max_tokens": 16, "temperature": 0,
                 "stop": ["\n\n", "<|endoftext|>"], "seed": 1234}
-# lm-evaluation-harness 0.3.0, lm_eval/models/gpt3.py (the legacy OpenAI completions model):
-# echo with max_tokens 0 scores the prompt alone, logprobs=10; reads token_logprobs[ctxlen:].
+# lm-evaluation-harness 0.3.0, lm_eval/models/gpt3.py, GPT3LM._loglikelihood_tokens (sent with
+# openai<1 as engine=..., here as model): echo with max_tokens 0 scores the prompt alone,
+# logprobs=10; get_result reads token_logprobs[ctxlen:] and the argmax of top_logprobs[i].
 LM_EVAL_03_LOGLIKELIHOOD = {"model": MODEL, "prompt": None, "echo": True, "max_tokens": 0,
                             "temperature": 0.0, "logprobs": 10}
 
