@@ -35,8 +35,8 @@ import torch
 from gpu_check_steps.mechanics import random_checkpoint
 
 from specstream.config import EngineConfig
+from specstream.engine.contract import DraftWork, SeqWork, StepPlan
 from specstream.engine.llm_engine import LLMEngine
-from specstream.engine.step import DraftWork, SeqWork, StepPlan
 from specstream.sampling_params import SamplingParams
 
 H200 = dict(num_kv_heads=8, head_dim=128, dtype_bytes=2, link_gbps=50.0)

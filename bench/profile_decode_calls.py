@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 import specstream.attention.waves as waves
-import specstream.engine.history as history
-import specstream.engine.overlap as overlap
-import specstream.engine.worker as worker
+import specstream.engine.exec.gap_filler as overlap
+import specstream.engine.exec.history as history
+import specstream.engine.exec.worker as worker
 import specstream.models.decoder as decoder
 import specstream.spec.draft as draft
 from specstream import LLM, SamplingParams

@@ -148,7 +148,7 @@ def test_draft_stream_drafting_enqueues_after_the_first_copies(tiny_target, tiny
     is the target's greedy output."""
     from contextlib import contextmanager
 
-    from specstream.engine.drafting import DRAFTING
+    from specstream.engine.exec.drafting import DRAFTING
 
     prompts = _prompts((300, 280, 260, 240))
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

@@ -15,8 +15,8 @@ import torch
 
 from specstream.backends import CpuBackend, CudaBackend, TransferError, make_backend
 from specstream.backends.base import TransferHandle
-from specstream.engine.history import ChunkStream, LayerRestore
-from specstream.engine.step import SeqWork
+from specstream.engine.contract import SeqWork
+from specstream.engine.exec.history import ChunkStream, LayerRestore
 from specstream.kvcache.storage import KVStore
 from specstream.models.config import ModelConfig
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from specstream.attention import causal_mask, full_attention
+from specstream.attention.buckets import buckets_of
 from specstream.attention.waves import TorchWaves, WaveShape
-from specstream.engine.attention import buckets_of
 from specstream.models.decoder import CausalLM
 from specstream.models.loader import load_model
 from specstream.sampling import SamplingTensors, logits_to_probs

@@ -13,8 +13,9 @@ from specstream import LLM, SamplingParams
 from specstream.attention.reference import full_attention
 from specstream.attention.waves import ATTENTION, WaveShape
 from specstream.config import EngineConfig
-from specstream.engine.host_split import split_for_host, transfer_s
-from specstream.engine.scheduler import Scheduler
+from specstream.engine.policy.round_shape import transfer_s
+from specstream.engine.sched.host_split import split_for_host
+from specstream.engine.sched.scheduler import Scheduler
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -28,7 +29,7 @@ def test_a_host_partial_merges_exactly_with_the_waves():
     """Keys split in two: one half as a wave on the device, the other as a host partial (the
     worker's math on the host tier's layout); merged they equal full attention."""
     from specstream.backends import make_backend
-    from specstream.engine.host_attention import HostAttention
+    from specstream.engine.exec.host_attention import HostAttention
     from specstream.kvcache.storage import KVStore
     from specstream.models.config import ModelConfig
 
@@ -80,7 +81,7 @@ def test_greedy_output_equals_target_only_with_host_attention(tiny_target, refer
                                                               split, monkeypatch):
     """Rounds with host work run their requests in two halves a layer apart (the device
     finishes one half's layer while the host attends the other's): checked to happen."""
-    import specstream.engine.round as round_module
+    import specstream.engine.exec.round as round_module
 
     finish, pipelined = round_module._Halves.finish, []
 
@@ -126,7 +127,7 @@ def test_a_split_that_changes_from_layer_to_layer_stays_exact(tiny_target, refer
     """Each layer attends a different number of each request's oldest cold blocks on the host
     (none in some layers, all in others), changing from step to step too; the rest of each
     layer streams or is restored (under fill, promoted on the way)."""
-    import specstream.engine.scheduler as sched
+    import specstream.engine.sched.scheduler as sched
 
     steps = itertools.count()
 
@@ -158,7 +159,7 @@ def test_a_split_that_changes_from_layer_to_layer_stays_exact(tiny_target, refer
 
 
 def test_a_fractional_share_alternates_between_block_counts_by_layer():
-    from specstream.engine.host_split import by_layer
+    from specstream.engine.sched.host_split import by_layer
 
     assert by_layer(3.0, 6) == (3,) * 6
     split = by_layer(2.5, 6)
@@ -170,7 +171,7 @@ def test_an_emulated_host_rate_is_never_beaten():
     """host_attention_gbps paces the workers like the emulated link: the measured rate stays
     at or under it (a lower bound on each job's time, so a slow machine cannot break it)."""
     from specstream.backends import make_backend
-    from specstream.engine.host_attention import HostAttention
+    from specstream.engine.exec.host_attention import HostAttention
     from specstream.kvcache.storage import KVStore
     from specstream.models.config import ModelConfig
 
@@ -260,7 +261,7 @@ def test_the_split_lets_link_and_host_finish_together():
 def test_host_cost_grows_with_query_positions_and_trees_pay_for_it():
     """The worker's cost per byte is a line in query positions per request; the round-shape
     cost model puts it in the round's history time, so a tree's positions cost host time."""
-    from specstream.spec.round_shape import RoundCosts, Shape
+    from specstream.engine.policy.round_shape import RoundCosts, Shape
 
     costs = RoundCosts(link_s=1.0, cold_bytes=1e8, link_bps=1e8, host_s_per_byte=1e-10,
                        host_s_per_byte_per_position=1e-10, host_serial_s=0.0)

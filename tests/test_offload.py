@@ -135,8 +135,8 @@ def test_layer_restore_into_lent_pool_blocks_returns_every_layer_exactly():
     """`restore` modes hold two layers of a step's history in pool blocks lent to the step,
     every layer plane of a block a slot: with scattered lent blocks a request's layer history
     comes as several pieces, which together are its host history of that layer, bit for bit."""
-    from specstream.engine.history import make_source
-    from specstream.engine.step import SeqWork, StepPlan
+    from specstream.engine.contract import SeqWork, StepPlan
+    from specstream.engine.exec.history import make_source
 
     cfg = ModelConfig(family="qwen3", vocab_size=8, hidden_size=32, num_layers=3, num_heads=4,
                       num_kv_heads=2, head_dim=8, intermediate_size=8,

@@ -8,7 +8,7 @@ import torch
 
 from specstream import LLM, SamplingParams
 from specstream.attention import ChunkedAttention, causal_mask, full_attention, partial_attention
-from specstream.engine.overlap import GapFiller
+from specstream.engine.exec.gap_filler import GapFiller
 from specstream.engine.trace import Tracer
 from specstream.models.loader import load_model
 from specstream.spec.draft import DraftModelProposer
@@ -46,7 +46,7 @@ class _FakeJob:
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
-    import specstream.engine.overlap as overlap
+    import specstream.engine.exec.gap_filler as overlap
 
     fake = _Clock()
     monkeypatch.setattr(overlap, "time", fake)

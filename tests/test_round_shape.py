@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from specstream.spec.round_shape import (
+from specstream.engine.policy.round_shape import (
     AcceptanceEstimate,
     RoundCosts,
     Shape,

@@ -7,9 +7,9 @@ when) and folds the worker's output back into the requests; nothing here runs a 
 from __future__ import annotations
 
 from specstream.config import EngineConfig
+from specstream.engine.contract import StepOutput, StepPlan
 from specstream.engine.request import Request
-from specstream.engine.scheduler import Scheduler
-from specstream.engine.step import StepOutput, StepPlan
+from specstream.engine.sched.scheduler import Scheduler
 from specstream.kvcache.manager import KVManager, OffloadPolicy
 from specstream.sampling_params import SamplingParams
 

@@ -8,8 +8,8 @@ import torch
 
 from specstream import LLM, SamplingParams
 from specstream.config import EngineConfig
-from specstream.engine.shaping import RoundShaper
-from specstream.spec.round_shape import Shape
+from specstream.engine.policy.round_shape import Shape
+from specstream.engine.policy.shaping import RoundShaper
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -115,10 +115,10 @@ def test_drafting_override_is_an_ablation_of_one_device_speculative_modes():
 
 
 def test_auto_gives_sampled_requests_chains_when_it_picks_a_tree() -> None:
+    from specstream.engine.policy.round_shape import Shape
     from specstream.engine.request import Request
-    from specstream.engine.scheduler import Scheduler
+    from specstream.engine.sched.scheduler import Scheduler
     from specstream.kvcache.manager import KVManager, OffloadPolicy
-    from specstream.spec.round_shape import Shape
 
     config = EngineConfig(mode="resident", proposer="draft", draft_model="unused",
                           num_speculative_tokens=4, speculative_topk=4,
@@ -204,7 +204,7 @@ def test_drafting_pays_for_the_drafts_catching_up():
 
 
 def test_a_step_that_mostly_catches_up_measures_the_catch_up_not_the_forwards():
-    from specstream.engine.step import DraftWork, StepOutput, StepPlan
+    from specstream.engine.contract import DraftWork, StepOutput, StepPlan
 
     shaper = RoundShaper(max_depth=4, drafting="sequential")
     shaper.prior_catch_up(1e-5)

@@ -7,14 +7,14 @@ from dataclasses import replace
 
 import pytest
 
-from specstream.engine.shaping import RoundShaper
+from specstream.engine.policy.round_shape import Shape
+from specstream.engine.policy.shaping import RoundShaper
 from specstream.sim.api import Scenario
 from specstream.sim.cli import main
 from specstream.sim.hardware import get_hardware
 from specstream.sim.host import flop_per_byte, host_split
 from specstream.sim.policy import SimPolicy
 from specstream.sim.rounds import simulate_round
-from specstream.spec.round_shape import Shape
 
 TREE = Shape(8, topk=4, nodes=32)
 

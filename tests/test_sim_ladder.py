@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from specstream.engine.shaping import RoundShaper
+from specstream.engine.policy.round_shape import AcceptanceEstimate, Shape, expected_tokens
+from specstream.engine.policy.shaping import RoundShaper
 from specstream.sim.api import Scenario
 from specstream.sim.cli import main
 from specstream.sim.hardware import get_hardware
@@ -18,7 +19,6 @@ from specstream.sim.ladder import LADDER, ladder, round_costs
 from specstream.sim.pipeline import Batch
 from specstream.sim.policy import SimPolicy
 from specstream.sim.rounds import simulate_round
-from specstream.spec.round_shape import AcceptanceEstimate, Shape, expected_tokens
 
 LADDER_JSON = Path(__file__).parents[1] / "bench" / "results" / "ladder-link-bound.json"
 

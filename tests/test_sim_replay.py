@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specstream.engine.scheduler import Scheduler
-from specstream.engine.step import DraftWork, SeqWork, StepPlan
+from specstream.engine.contract import DraftWork, SeqWork, StepPlan
+from specstream.engine.sched.scheduler import Scheduler
 from specstream.sampling_params import SamplingParams
 from specstream.sim.calibrate import predict, relative_errors, validation_table
 from specstream.sim.engine_model import build, engine_config

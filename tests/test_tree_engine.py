@@ -20,12 +20,12 @@ from helpers import reads_per_round
 from specstream.attention.triton_wave import triton_available
 from specstream.cli import build_parser, engine_kwargs
 from specstream.config import EngineConfig
+from specstream.engine.contract import SeqWork, StepOutput
+from specstream.engine.exec.worker import Worker
 from specstream.engine.llm_engine import LLMEngine
 from specstream.engine.request import Request
-from specstream.engine.scheduler import Scheduler
+from specstream.engine.sched.scheduler import Scheduler
 from specstream.engine.stats import EngineStats
-from specstream.engine.step import SeqWork, StepOutput
-from specstream.engine.worker import Worker
 from specstream.kvcache.manager import KVManager, OffloadPolicy
 from specstream.sampling_params import SamplingParams
 from specstream.spec.proposer import Proposal, Proposer, ProposeRequest, register_proposer
@@ -288,7 +288,7 @@ def test_accepted_per_pos_counts_by_depth() -> None:
 @pytest.mark.parametrize("setting", list(MODES))
 def test_tree_greedy_output_equals_target_only(tiny_target, prompts, reference, setting,
                                                monkeypatch):
-    import specstream.engine.round as round_module
+    import specstream.engine.exec.round as round_module
 
     finish, halves = round_module._Halves.finish, []
 
@@ -341,7 +341,7 @@ def test_every_piece_of_the_tree_round_is_needed(tiny_target, prompts, reference
 def test_a_fresh_prompt_shares_the_bucket_of_a_tree(tiny_target, monkeypatch):
     """A prompt that arrives while a tree is verified prefills in the tree's bucket with no
     committed keys: it sits out the committed wave, and both outputs are the target's."""
-    from specstream.engine import attention
+    from specstream.engine.exec import step_kv as attention
 
     ps = _prompts((40, 12), seed=3)
     ref, _ = _run(tiny_target, ps, GREEDY, mode="resident", device_kv_bytes=16 << 20)

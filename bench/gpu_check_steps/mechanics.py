@@ -96,7 +96,7 @@ def _budgets(g: dict[str, Any], shape: dict[str, Any], vocab: int) -> dict[str, 
     from specstream.config import EngineConfig
     from specstream.engine.layout import RuntimeLayout
     from specstream.engine.request import Request
-    from specstream.engine.scheduler import Scheduler
+    from specstream.engine.sched.scheduler import Scheduler
     from specstream.models.config import ModelConfig
     from specstream.sampling_params import SamplingParams
 

@@ -14,25 +14,25 @@ import torch
 from specstream.attention.waves import ATTENTION, resolve_backend
 from specstream.backends import limit_compute_threads, make_backend
 from specstream.config import EngineConfig
-from specstream.engine.drafting import DRAFTING, drafting_for
-from specstream.engine.history import make_source
-from specstream.engine.host_attention import HostAttention
+from specstream.engine.contract import StepOutput, StepPlan
+from specstream.engine.exec.drafting import DRAFTING, drafting_for
+from specstream.engine.exec.history import make_source
+from specstream.engine.exec.host_attention import HostAttention
+from specstream.engine.exec.worker import Worker
 from specstream.engine.layout import RuntimeLayout
+from specstream.engine.policy.shaping import RoundShaper
 from specstream.engine.request import (
     CompletionOutput,
     Logprob,
     PositionLogprobs,
     Request,
-    RequestError,
     RequestOutput,
     TokenLogprobs,
 )
-from specstream.engine.scheduler import Scheduler
-from specstream.engine.shaping import RoundShaper
+from specstream.engine.sched.scheduler import Scheduler
 from specstream.engine.stats import EngineStats, RoundStats
-from specstream.engine.step import StepOutput, StepPlan
 from specstream.engine.trace import Tracer
-from specstream.engine.worker import Worker
+from specstream.errors import RequestError
 from specstream.kvcache.storage import KVStore
 from specstream.models.loader import load_model, resolve_dtype
 from specstream.sampling_params import SamplingParams

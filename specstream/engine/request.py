@@ -33,15 +33,6 @@ class TokenLogprobs(NamedTuple):
     top: tuple[tuple[int, float], ...]  # (token, logprob), most likely first
 
 
-class RequestError(Exception):
-    """A failure that belongs to one request (its own seed, its own draft state): the engine
-    fails that request alone and carries on with the others."""
-
-    def __init__(self, request_id: str, message: str) -> None:
-        super().__init__(message)
-        self.request_id = request_id
-
-
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

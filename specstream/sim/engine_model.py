@@ -1,6 +1,6 @@
 """The engine's own scheduling objects, built for the simulator without a model or a device.
 
-The replay (``replay.py``) drives the real ``specstream.engine.scheduler.Scheduler`` over the
+The replay (``replay.py``) drives the real ``specstream.engine.sched.scheduler.Scheduler`` over the
 real ``KVManager``, laid out by the real ``RuntimeLayout``: admission, reservations, chunked
 prefill, the two ping-pong groups, the ``fill`` residency (``residency_targets``), promotions
 and write-backs are the engine's code, not a copy. What the simulator supplies is what the
@@ -17,7 +17,7 @@ from typing import Any
 from specstream.bench.runner import BenchSettings
 from specstream.config import EngineConfig
 from specstream.engine.layout import RuntimeLayout
-from specstream.engine.scheduler import Scheduler
+from specstream.engine.sched.scheduler import Scheduler
 from specstream.kvcache.manager import KVManager
 from specstream.models.config import ModelConfig
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specstream.engine.step import StepOutput, StepPlan
+from specstream.engine.contract import StepOutput, StepPlan
 from specstream.sim.workload import AcceptanceModel
 
 TOKEN = 3  # every emitted and drafted token (the engine is told no end-of-sequence id)

@@ -24,13 +24,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from specstream.engine.shaping import RoundShaper
+from specstream.engine.policy.round_shape import RoundCosts, Shape, choose, expected_tokens
+from specstream.engine.policy.shaping import RoundShaper
 from specstream.sim.api import Scenario
 from specstream.sim.memory import max_concurrency
 from specstream.sim.pipeline import Batch
 from specstream.sim.policy import STREAM_MODES
 from specstream.sim.rounds import RoundResult, simulate_round
-from specstream.spec.round_shape import RoundCosts, Shape, choose, expected_tokens
 
 
 @dataclass(frozen=True)

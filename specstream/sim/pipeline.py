@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from specstream.engine.policy.round_shape import Shape
 from specstream.sim.costs import Costs
 from specstream.sim.events import Graph, Task
 from specstream.sim.host import HostSplit, host_split
 from specstream.sim.memory import MemoryPlan, plan
 from specstream.sim.policy import SimPolicy, check_mode
-from specstream.spec.round_shape import Shape
 
 MAX_CHUNKS = 32  # chunks per layer are coarsened past this, to bound the task count
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from specstream.engine.policy.round_shape import AcceptanceEstimate, Shape, expected_tokens
 from specstream.sim.costs import Costs
 from specstream.sim.events import Graph, Task, busy_time
 from specstream.sim.pipeline import BUILDERS, Batch
 from specstream.sim.policy import STREAM_MODES, SimPolicy, check_mode
 from specstream.sim.workload import AcceptanceModel
-from specstream.spec.round_shape import AcceptanceEstimate, Shape, expected_tokens
 
 
 @dataclass(frozen=True)

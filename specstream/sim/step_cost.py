@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from specstream.config import MODES
-from specstream.engine.step import StepOutput, StepPlan
+from specstream.engine.contract import StepOutput, StepPlan
 from specstream.sim.calibrate import nnls
 
 FEATURES = ("const_s", "per_query_token_s", "per_attention_pair_s", "per_context_token_s",

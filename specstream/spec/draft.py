@@ -29,7 +29,7 @@ from torch import Tensor
 
 from specstream.attention.waves import TorchWaves, WaveAttention
 from specstream.backends.base import upload
-from specstream.engine.request import RequestError
+from specstream.errors import RequestError
 from specstream.models.decoder import CausalLM
 from specstream.sampling import SamplingTensors, logits_to_probs, make_generator, sample
 from specstream.sampling_params import derive_seed

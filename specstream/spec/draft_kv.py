@@ -4,7 +4,7 @@ One pool, ``[layers, 2, slots, capacity, kv_heads, D]``, a slot per request (tak
 draft, given back when it finishes). A draft forward (``DraftForward``, the model's
 AttentionContext) writes the new tokens' K/V into their slots with one copy per layer and
 attends each query bucket (the 1-token draft steps together, each long window prefill alone:
-``engine.attention.buckets_of``) with one call of the ``WaveAttention`` backend over the
+``attention.buckets.buckets_of``) with one call of the ``WaveAttention`` backend over the
 bucket's slots (a view of the pool when the slots are consecutive). Its index lists are laid
 out on the host from lengths alone and reach the device in one pinned, non-blocking copy.
 """
@@ -18,9 +18,9 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
+from specstream.attention.buckets import buckets_of
 from specstream.attention.waves import WaveAttention, WaveShape
 from specstream.backends.base import upload
-from specstream.engine.attention import buckets_of
 from specstream.models.decoder import CausalLM
 
 

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from specstream.backends.base import TransferBackend, sync_point
-from specstream.engine.history import Gap
-from specstream.engine.overlap import GapFiller
+from specstream.engine.exec.gap_filler import GapFiller
+from specstream.engine.exec.history import Gap
 from specstream.engine.trace import Tracer
 from specstream.registry import Registry
 from specstream.spec.proposer import ProposeJob

@@ -25,13 +25,20 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from specstream.config import EngineConfig
-from specstream.engine.host_split import by_layer, split_for_host
+from specstream.engine.contract import (
+    DraftWork,
+    SeqWork,
+    StepOutput,
+    StepPlan,
+    StepUpdate,
+    Writebacks,
+)
 from specstream.engine.layout import RuntimeLayout
+from specstream.engine.policy.round_shape import Shape
+from specstream.engine.policy.shaping import RoundShaper
 from specstream.engine.request import Request, Status, TextCodec, TokenLogprobs
-from specstream.engine.shaping import RoundShaper
-from specstream.engine.step import DraftWork, SeqWork, StepOutput, StepPlan, StepUpdate, Writebacks
+from specstream.engine.sched.host_split import by_layer, split_for_host
 from specstream.kvcache.manager import KVManager, OffloadPolicy, residency_targets
-from specstream.spec.round_shape import Shape
 
 # host_attention "auto": the host's share of each request's cold blocks until the link and
 # the host have both been measured

@@ -31,10 +31,10 @@ import torch
 
 from specstream.attention.waves import WaveAttention
 from specstream.backends.base import upload
-from specstream.engine.attention import StepKV
-from specstream.engine.history import Gap, HistorySource
-from specstream.engine.host_attention import HostAttention
-from specstream.engine.step import StepPlan
+from specstream.engine.contract import StepPlan
+from specstream.engine.exec.history import Gap, HistorySource
+from specstream.engine.exec.host_attention import HostAttention
+from specstream.engine.exec.step_kv import StepKV
 from specstream.kvcache.storage import KVStore
 from specstream.models.decoder import CausalLM
 

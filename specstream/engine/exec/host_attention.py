@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from specstream.attention.host_kernel import host_partial
-from specstream.engine.shaping import LineFit
+from specstream.engine.policy.estimators import LineFit
 from specstream.kvcache.storage import KVStore
 
 

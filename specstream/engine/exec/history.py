@@ -33,7 +33,7 @@ import torch
 
 from specstream.attention.waves import WaveShape
 from specstream.backends.base import BatchTag, TransferError, TransferHandle, to_device
-from specstream.engine.step import StepPlan
+from specstream.engine.contract import StepPlan
 from specstream.kvcache.storage import KVStore
 from specstream.registry import Registry
 

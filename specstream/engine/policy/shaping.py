@@ -37,43 +37,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specstream.engine.step import StepOutput, StepPlan
-from specstream.spec.round_shape import AcceptanceEstimate, RoundCosts, Shape, choose
+from specstream.engine.contract import StepOutput, StepPlan
+from specstream.engine.policy.estimators import LineFit
+from specstream.engine.policy.round_shape import AcceptanceEstimate, RoundCosts, Shape, choose
 from specstream.spec.tree import DraftTree
 
 # The reference implementation's choices of q, and twice its largest for link-bound rounds.
 DEPTHS = (0, 1, 2, 4, 6, 8, 12, 16)
-
-
-@dataclass
-class LineFit:
-    """y = a + b x by exponentially weighted least squares (b >= 0)."""
-
-    decay: float = 0.95
-    n: float = 0.0
-    sx: float = 0.0
-    sy: float = 0.0
-    sxx: float = 0.0
-    sxy: float = 0.0
-
-    def add(self, x: float, y: float) -> None:
-        d = self.decay
-        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + x, d * self.sy + y
-        self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
-
-    @property
-    def spread(self) -> bool:
-        """Points at more than one x."""
-        return self.n * self.sxx - self.sx**2 > 1e-12
-
-    def coef(self) -> tuple[float, float]:
-        if self.n == 0:
-            return 0.0, 0.0
-        var = self.n * self.sxx - self.sx**2
-        b = max(0.0, (self.n * self.sxy - self.sx * self.sy) / var) if var > 1e-12 else 0.0
-        if var <= 1e-12:  # one x so far: all of it is the fixed part
-            return self.sy / self.n, 0.0
-        return max(0.0, (self.sy - b * self.sx) / self.n), b
 
 
 @dataclass

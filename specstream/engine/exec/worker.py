@@ -27,13 +27,14 @@ from specstream.backends.base import (
     sync_point,
     upload,
 )
-from specstream.engine.drafting import Drafting
-from specstream.engine.history import HistorySource
-from specstream.engine.host_attention import HostAttention
-from specstream.engine.request import RequestError, TokenLogprobs
-from specstream.engine.round import run_round
-from specstream.engine.step import DraftWork, SeqWork, StepOutput, StepPlan
+from specstream.engine.contract import DraftWork, SeqWork, StepOutput, StepPlan
+from specstream.engine.exec.drafting import Drafting
+from specstream.engine.exec.history import HistorySource
+from specstream.engine.exec.host_attention import HostAttention
+from specstream.engine.exec.round import run_round
+from specstream.engine.request import TokenLogprobs
 from specstream.engine.trace import Tracer
+from specstream.errors import RequestError
 from specstream.kvcache.storage import KVStore
 from specstream.models.decoder import CausalLM
 from specstream.sampling import TokenContext, make_generator, process_logits

@@ -12,8 +12,8 @@ partials), and the host's time per byte grows with a request's query positions (
 round's few positions read memory; a prefill chunk's or a large tree's compute). The best
 split makes both paths finish together; the host takes the cheapest bytes first (the requests
 with the fewest query positions). Pure Python: the scheduler calls ``split_for_host`` for
-every step, the round-shape cost model ``transfer_s`` for every candidate shape, so the tree
-size and the split are chosen together.
+every step, the round-shape cost model ``policy.round_shape.transfer_s`` for every candidate
+shape, so the tree size and the split are chosen together.
 """
 
 from __future__ import annotations
@@ -40,22 +40,6 @@ def split_for_host(blocks: Sequence[int], seconds_per_byte: Sequence[float], blo
         if k < blocks[i]:
             break
     return counts
-
-
-def transfer_s(cold_bytes: float, link_bps: float, seconds_per_byte: float,
-               serial_s: float) -> float:
-    """A round's time on its cold history with the best split (the link alone where the host
-    cannot help): the longer of the two paths when both finish together."""
-    if cold_bytes <= 0 or link_bps <= 0:
-        return 0.0
-    link_only = cold_bytes / link_bps
-    if seconds_per_byte <= 0:
-        return link_only
-    host = (link_only - serial_s) / (1 / link_bps + seconds_per_byte)
-    if host <= 0:
-        return link_only
-    host = min(host, cold_bytes)
-    return max((cold_bytes - host) / link_bps, serial_s + host * seconds_per_byte)
 
 
 def by_layer(blocks: float, num_layers: int) -> tuple[int, ...]:

@@ -26,7 +26,22 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specstream.engine.host_split import transfer_s
+
+def transfer_s(cold_bytes: float, link_bps: float, seconds_per_byte: float,
+               serial_s: float) -> float:
+    """A round's time on its cold history with the best split (the link alone where the host
+    cannot help): the longer of the two paths when both finish together."""
+    if cold_bytes <= 0 or link_bps <= 0:
+        return 0.0
+    link_only = cold_bytes / link_bps
+    if seconds_per_byte <= 0:
+        return link_only
+    host = (link_only - serial_s) / (1 / link_bps + seconds_per_byte)
+    if host <= 0:
+        return link_only
+    host = min(host, cold_bytes)
+    return max((cold_bytes - host) / link_bps, serial_s + host * seconds_per_byte)
+
 
 
 @dataclass(frozen=True)

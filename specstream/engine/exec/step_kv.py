@@ -20,14 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
+from specstream.attention.buckets import DECODE_POSITIONS, buckets_of
 from specstream.attention.waves import WaveShape
 from specstream.backends.base import to_device
-from specstream.engine.step import SeqWork, StepPlan
+from specstream.engine.contract import SeqWork, StepPlan
 from specstream.kvcache.storage import KVStore
 from specstream.spec.tree import DraftTree, tree_mask
-
-# Requests with at most this many positions in a step share one bucket.
-DECODE_POSITIONS = 32
 
 
 @dataclass
@@ -47,19 +45,6 @@ class Bucket:
 
 
 Wave = tuple[torch.Tensor, torch.Tensor, WaveShape]  # k, v [W, N, num_kv_heads, head_dim]
-
-
-def buckets_of(num_tokens: list[int], limit: int = DECODE_POSITIONS,
-               halves: bool = False) -> list[list[int]]:
-    """Indices grouped into query buckets (see the module docstring); ``limit``: the most
-    positions a request of the shared bucket may have; ``halves``: the shared bucket as two
-    (host attention pipelines them a layer apart)."""
-    small = [i for i, n in enumerate(num_tokens) if n <= limit]
-    large = [[i] for i, n in enumerate(num_tokens) if n > limit]
-    if halves and len(small) > 1:
-        m = (len(small) + 1) // 2
-        return [small[:m], small[m:]] + large
-    return ([small] if small else []) + large
 
 
 def new_token_mask(seqs: list[SeqWork], num_q: int) -> torch.Tensor:  # [W, P, P] bool, host
