@@ -10,7 +10,7 @@
 #
 # torch is installed first and pinned: on CPU machines torch==2.13.0 is the local CPU build, and
 # an unpinned torch would pull a multi-GB CUDA build. A torch already in the environment is
-# kept, so a GPU machine installs its CUDA build once, before or instead of the pin:
+# kept (2.4 or newer), so a GPU machine installs its CUDA build once, before or instead of the pin:
 #   SPECSTREAM_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" \
 #       bash scripts/setup.sh
 # (or `python3 -m venv .venv && .venv/bin/pip install <your torch>`, then this script).
@@ -46,7 +46,9 @@ if [ ! -e "$venv" ]; then
 fi
 pip=("$venv/bin/python" -m pip -q --disable-pip-version-check)
 
-if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+# a torch older than pyproject's floor would make pip resolve a new, unpinned one: pin instead
+if ! "$venv/bin/python" -c "import sys, torch
+sys.exit(tuple(int(x) for x in torch.__version__.split('.')[:2]) < (2, 4))" 2>/dev/null; then
     read -r -a torch_spec <<< "${SPECSTREAM_TORCH:-torch==2.13.0}"
     say "installing ${torch_spec[*]}"
     "${pip[@]}" install "${torch_spec[@]}"
