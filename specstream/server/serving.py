@@ -301,7 +301,7 @@ def _final_choice(job: Job, i: int, out: RequestOutput) -> dict[str, Any]:
         return {"index": i, "message": {"role": "assistant", "content": r.prefix + o.text},
                 "logprobs": logprobs, "finish_reason": o.finish_reason,
                 "stop_reason": o.stop_reason}
-    ids, positions, text = _completion_tokens(job, i, out, o, o.token_ids, o.logprobs, o.text)
+    ids, positions, text = _completion_tokens(job, i, out, o.token_ids, o.logprobs, o.text)
     logprobs = None if r.logprobs is None else completion_logprobs(
         ids, positions, r.logprobs, r.names)[0]
     return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": _finish(job, o),
@@ -309,8 +309,8 @@ def _final_choice(job: Job, i: int, out: RequestOutput) -> dict[str, Any]:
             "prompt_logprobs": prompt_logprobs_body(out.prompt_logprobs, r.names)}
 
 
-def _completion_tokens(job: Job, i: int, out: RequestOutput, o: CompletionOutput,
-                       ids: list[int], positions: list[Any] | None, text: str
+def _completion_tokens(job: Job, i: int, out: RequestOutput, ids: list[int],
+                       positions: list[Any] | None, text: str
                        ) -> tuple[list[int], list[Any] | None, str]:
     """A completion choice's tokens, their logprobs and text, the prompt first with echo
     (only the prompt with echo and max_tokens 0)."""
@@ -444,7 +444,7 @@ def _chunk_choice(job: Job, i: int, c: _Choice, out: RequestOutput, delta: str, 
         return {"index": i, "delta": message, "logprobs": logprobs, "finish_reason": finish,
                 "stop_reason": stop_reason}
     if not c.started:
-        ids, positions, delta = _completion_tokens(job, i, out, o, ids, positions, delta)
+        ids, positions, delta = _completion_tokens(job, i, out, ids, positions, delta)
     lp = None
     if r.logprobs is not None:
         lp, c.offset = completion_logprobs(ids, positions, r.logprobs, r.names, c.offset)
