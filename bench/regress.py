@@ -1,0 +1,542 @@
+"""The regression guard (issue 29): the figures the project stands on, in one process.
+
+    python bench/regress.py --out bench/results/regress-LABEL.json [--repeats N] [--quick]
+    python bench/regress.py --compare A.json B.json
+    python bench/regress.py --interleave CHECKOUT_A CHECKOUT_B --labels before,after
+
+It measures the checkout it sits in: the `specstream` package must be imported from the folder
+above this one (run it with ``PYTHONPATH=<checkout>`` when another copy is installed), and
+``host_overhead.py`` is loaded from beside it, so the same file measures older revisions too
+(copy it into their ``bench/``). It uses only the bench runner (``specstream.bench.runner``,
+`BenchSettings` fields and the bench's result keys), not the engine's classes.
+
+Each repeat measures every figure once, the figures in turn, so a slow spell of a shared
+machine spreads over all of them; the JSON keeps every repeat's value and its min, median and
+max. The figures, on the embedded pair (workloads shrunk from the README's to fit about ten
+minutes on two cores; ``--quick`` shrinks them further, for a smoke run):
+
+- ``host_over_link``: `bench/host_overhead.py`'s host time of a GPU-shaped round over its H200
+  link time (lower is better).
+- ``link_bound.*``: the link-bound preset (residency tail, four staging slots, a slow link:
+  a decode round's link time many times its verification), `specstream` against
+  `offload-spec` with a fixed q = 4 chain, end to end and over decode-only rounds: with the
+  same chain (fixed q = 4: the ladder's "+ drafting in the gaps") and with token trees (the
+  ladder's last step: auto, top-4, up to 32 nodes, depth up to 8), and the trees' accepted
+  tokens per round over the chain's.
+- ``host_attention.*``: the same workload, `specstream` (auto policy, q = 4) with
+  ``host_attention="auto"`` against without, the host's attention rate emulated at eight times
+  the link (0.8 GB/s against the preset's 0.1, as `bench/host_attention.py`).
+- ``residency.fill_bytes_over_floor``: `specstream` with residency fill on a device budget of
+  half the workload's KV, history bytes per round over the least any residency could move
+  (lower is better), on a link-bound link.
+- ``balanced.*``: the default bench's regime (residency fill, the device holding about a third
+  of the workload's KV, a link that takes about as long as a round's compute): decode-only
+  throughput of `specstream` over `offload-spec`, `offload` and, per device, `parallel-spec`.
+- ``outputs_match_reference``: every run's greedy outputs equal `resident`'s.
+
+Beside the figures, each run's regime is kept (decode-only link utilisation, round time over
+floor, mean accepted tokens, prefill share), and a warning is printed when a link-bound run's
+link is idle for more than a fifth of its decode-only rounds.
+
+``--compare A.json B.json`` prints each figure's median and spread and flags a figure of B as
+worse when it is worse beyond the spread of the repeats: B's median worse than every repeat of
+A and A's median better than every repeat of B. With three repeats a side and no change that
+happens to a figure about one time in ten; with five, one in forty; rerun a flagged figure
+before believing it. It exits 1 when a figure is worse or an output differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The workloads of one size tier: (prompt tokens, requests, output tokens) and links."""
+
+    # the link-bound preset's workload and link: with 2K prompts (1,792 tokens of each
+    # streaming every round), 4 requests (two groups of two, one chunk wave each) and 0.05
+    # GB/s, a round streams as long per request as the preset's 4K prompts at 0.1 GB/s
+    link_bound: tuple[int, int, int]
+    link_bound_gbps: float
+    # the balanced bench's workload and link on its 64 MiB device budget (the README's: 8 x
+    # 4K, 128 tokens, 1 GB/s; at 2K prompts half the link keeps a round's link time near its
+    # compute: `specstream bench --quick --link-gbps 0.5`, bench/results/bench-quick-0.5.json)
+    balanced: tuple[int, int, int]
+    balanced_gbps: float
+    balanced_device_kv_bytes: int
+    # residency fill at half the KV runs on the balanced workload over a link-bound link
+    residency_gbps: float
+    chunk_tokens: int  # tokens per streamed chunk (a staging slot holds a wave of them)
+    host_overhead_argv: tuple[str, ...]
+    parallel_spec: bool  # run parallel-spec in the balanced bench
+    repeats: int
+
+
+SIZES = {
+    "full": Sizes(link_bound=(2048, 4, 32), link_bound_gbps=0.05,
+                  balanced=(2048, 6, 48), balanced_gbps=0.5, balanced_device_kv_bytes=64 << 20,
+                  residency_gbps=0.25, chunk_tokens=2048, host_overhead_argv=("--rounds", "10"),
+                  parallel_spec=True, repeats=3),
+    "quick": Sizes(link_bound=(1024, 4, 16), link_bound_gbps=0.05,
+                   balanced=(1024, 4, 24), balanced_gbps=0.5, balanced_device_kv_bytes=16 << 20,
+                   residency_gbps=0.25, chunk_tokens=1024, host_overhead_argv=("--rounds", "4"),
+                   parallel_spec=False, repeats=2),
+    # for the tests: the plumbing, not the figures
+    "smoke": Sizes(link_bound=(640, 4, 8), link_bound_gbps=1.0,
+                   balanced=(1024, 4, 8), balanced_gbps=4.0, balanced_device_kv_bytes=12 << 20,
+                   residency_gbps=2.0, chunk_tokens=256,
+                   host_overhead_argv=("--layers", "2", "--draft-layers", "1", "--requests",
+                                       "2", "--chunks", "3", "--rounds", "2"),
+                   parallel_spec=False, repeats=2),
+}
+# host attention's emulated rate over the link's (bench/host_attention.py: 0.8 against 0.1)
+HOST_OVER_LINK_RATE = 8.0
+RESIDENCY_FRACTION = 0.5
+# a link-bound run whose link idles more than this share of its decode-only rounds has left
+# its regime (the preset's runs: 0.98)
+LINK_BOUND_UTILIZATION = 0.8
+
+HIGHER, LOWER, TRUE = "higher", "lower", "true"
+# figure -> (which way is better, what it is)
+FIGURES: dict[str, tuple[str, str]] = {
+    "host_over_link": (LOWER, "host time of a GPU-shaped specstream round / its H200 link time"),
+    "link_bound.chain_over_offload_spec": (
+        HIGHER, "output tok/s, specstream fixed q = 4 / offload-spec fixed q = 4"),
+    "link_bound.chain_over_offload_spec_decode_only": (
+        HIGHER, "decode-only tok/s, specstream fixed q = 4 / offload-spec fixed q = 4"),
+    "link_bound.trees_over_offload_spec": (
+        HIGHER, "output tok/s, specstream trees (auto, top-4, <= 32 nodes) / offload-spec q = 4"),
+    "link_bound.trees_over_offload_spec_decode_only": (
+        HIGHER, "decode-only tok/s, specstream trees / offload-spec q = 4"),
+    "link_bound.trees_accepted_over_offload_spec": (
+        HIGHER, "mean accepted tokens per round, specstream trees / offload-spec q = 4"),
+    "host_attention.speedup": (
+        HIGHER, "output tok/s, specstream host attention auto (host at 8x the link) / off"),
+    "host_attention.speedup_decode_only": (
+        HIGHER, "decode-only tok/s, specstream host attention auto / off"),
+    "residency.fill_bytes_over_floor": (
+        LOWER, "specstream fill at half the KV: link bytes per round / the floor's"),
+    "balanced.specstream_over_offload_spec_decode_only": (
+        HIGHER, "decode-only tok/s, specstream / offload-spec (auto, q <= 4)"),
+    "balanced.specstream_over_offload_decode_only": (
+        HIGHER, "decode-only tok/s, specstream / offload"),
+    "balanced.specstream_over_parallel_spec_decode_only_per_device": (
+        HIGHER, "decode-only tok/s per device, specstream / parallel-spec"),
+    "outputs_match_reference": (TRUE, "every run's greedy outputs equal resident's"),
+}
+# per-run values kept beside the figures: the regime each run was in
+RUN_KEYS = ("output_tokens_per_s", "decode_only_tokens_per_s", "mean_accepted_len",
+            "decode_only_link_utilization", "decode_only_round_time_over_floor",
+            "link_bytes_per_round", "link_bytes_floor_per_round", "prefill_share_of_wall",
+            "max_concurrency", "host_attention_bytes_per_s", "wall_s")
+
+
+# --- measuring ---------------------------------------------------------------------------
+
+def check_package() -> Path:
+    """The folder specstream is imported from; it must be this checkout's."""
+    spec = importlib.util.find_spec("specstream")  # found, not imported yet
+    if spec is None or spec.origin is None:
+        raise SystemExit(f"specstream is not importable: run with PYTHONPATH={CHECKOUT}")
+    pkg = Path(spec.origin).resolve().parent
+    if pkg.parent != CHECKOUT:
+        raise SystemExit(f"specstream is imported from {pkg}, not from this checkout "
+                         f"({CHECKOUT}): run with PYTHONPATH={CHECKOUT}")
+    return pkg
+
+
+def load_host_overhead() -> ModuleType:
+    """bench/host_overhead.py of this checkout (its own imports resolve beside it: this
+    script's folder is the first entry of the import path when it runs as a script)."""
+    spec = importlib.util.spec_from_file_location("host_overhead",
+                                                  Path(__file__).parent / "host_overhead.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Guard:
+    """One revision's measurements: the references once, then every figure per repeat."""
+
+    def __init__(self, sizes: Sizes) -> None:
+        from specstream.bench.runner import BenchSettings
+        from specstream.bench.workload import Workload
+
+        self.sizes = sizes
+        self.values: dict[str, list[Any]] = {}
+        self.runs: dict[str, dict[str, list[Any]]] = {}
+        self.warnings: list[str] = []
+        self.lb_work = Workload((sizes.link_bound[0],) * sizes.link_bound[1],
+                                sizes.link_bound[2])
+        # the link-bound preset (specstream bench --preset link-bound) at this tier's link
+        self.lb = BenchSettings(link_gbps=sizes.link_bound_gbps, residency="tail",
+                                staging_buffers=4, chunk_tokens=sizes.chunk_tokens)
+        self.bal_work = Workload((sizes.balanced[0],) * sizes.balanced[1], sizes.balanced[2])
+        self.bal = BenchSettings(link_gbps=sizes.balanced_gbps, chunk_tokens=sizes.chunk_tokens)
+        self._refs: dict[str, Any] = {}
+
+    def reference(self, name: str) -> Any:
+        """The resident run of a workload (exact outputs, the floors' compute model), once."""
+        from specstream.bench.runner import resident_fit_bytes, run_reference
+
+        if name not in self._refs:
+            s, w = (self.lb, self.lb_work) if name == "link_bound" else (self.bal, self.bal_work)
+            if name == "balanced":  # the whole workload on the device, as the residency sweep
+                s = replace(s, device_kv_bytes=resident_fit_bytes(w, s))
+            _log(f"resident reference of the {name} workload ...")
+            self._refs[name] = run_reference(w, s)[1]
+        return self._refs[name]
+
+    def run(self, name: str, mode: str, ref: str, s: Any, **fields: Any) -> dict[str, Any]:
+        """One mode's run (``fields`` set on a copy of ``s``); its regime and outputs kept."""
+        from specstream.bench.runner import run_compared
+
+        s = copy.copy(s)
+        extra = fields.pop("extra", {})
+        for k, v in fields.items():
+            setattr(s, k, v)
+        s.extra = {**s.extra, **extra}
+        work = self.lb_work if ref == "link_bound" else self.bal_work
+        t0 = time.perf_counter()
+        r = run_compared(mode, work, s, self.reference(ref))
+        kept = self.runs.setdefault(name, {})
+        for k in RUN_KEYS:
+            kept.setdefault(k, []).append(r.get(k, 0.0))
+        self.values.setdefault("outputs_match_reference", []).append(
+            bool(r["outputs_match_reference"]))
+        _log(f"  {name}: {r['output_tokens_per_s']:.2f} tok/s, decode-only "
+             f"{r['decode_only_tokens_per_s']:.2f}, link {r['decode_only_link_utilization']:.2f}"
+             f", accepted {r['mean_accepted_len']:.2f}, outputs match "
+             f"{r['outputs_match_reference']} ({time.perf_counter() - t0:.0f} s)")
+        if not r["outputs_match_reference"]:
+            self.warnings.append(f"{name}: outputs differ from resident's")
+        return r
+
+    def figure(self, name: str, value: float) -> None:
+        self.values.setdefault(name, []).append(value)
+
+    def host_overhead(self) -> None:
+        r = load_host_overhead().main(list(self.sizes.host_overhead_argv))
+        self.figure("host_over_link", r["host_over_link"])
+        self.runs.setdefault("host_overhead", {}).setdefault(
+            "host_ms_per_round", []).append(r["host_ms_per_round"])
+
+    def link_bound(self) -> None:
+        s = self.lb
+        base = self.run("lb_offload_spec_q4", "offload-spec", "link_bound", s,
+                        speculative_policy="fixed", num_speculative_tokens=4)
+        chain = self.run("lb_specstream_q4", "specstream", "link_bound", s,
+                         speculative_policy="fixed", num_speculative_tokens=4)
+        trees = self.run("lb_specstream_trees", "specstream", "link_bound", s,
+                         speculative_policy="auto", num_speculative_tokens=8,
+                         speculative_topk=4, speculative_num_draft_tokens=32)
+        for name, r in (("chain", chain), ("trees", trees)):
+            self.figure(f"link_bound.{name}_over_offload_spec",
+                        r["output_tokens_per_s"] / base["output_tokens_per_s"])
+            self.figure(f"link_bound.{name}_over_offload_spec_decode_only",
+                        r["decode_only_tokens_per_s"] / base["decode_only_tokens_per_s"])
+        self.figure("link_bound.trees_accepted_over_offload_spec",
+                    trees["mean_accepted_len"] / base["mean_accepted_len"])
+        for name, r in (("lb_offload_spec_q4", base), ("lb_specstream_q4", chain),
+                        ("lb_specstream_trees", trees)):
+            self._check_link_bound(name, r)
+
+    def host_attention(self) -> None:
+        s = replace(self.lb, speculative_policy="auto", num_speculative_tokens=4)
+        off = self.run("lb_specstream_auto", "specstream", "link_bound", s)
+        self._check_link_bound("lb_specstream_auto", off)
+        on = self.run("lb_specstream_host_attention", "specstream", "link_bound", s,
+                      host_attention="auto",
+                      extra={"host_attention_gbps": HOST_OVER_LINK_RATE * self.lb.link_gbps})
+        self.figure("host_attention.speedup",
+                    on["output_tokens_per_s"] / off["output_tokens_per_s"])
+        self.figure("host_attention.speedup_decode_only",
+                    on["decode_only_tokens_per_s"] / off["decode_only_tokens_per_s"])
+
+    def residency(self) -> None:
+        from specstream.bench.runner import workload_kv_bytes
+
+        budget = int(RESIDENCY_FRACTION * workload_kv_bytes(self.bal_work, self.bal))
+        r = self.run("residency_fill_half", "specstream", "balanced", self.bal,
+                     residency="fill", device_kv_bytes=budget,
+                     link_gbps=self.sizes.residency_gbps)
+        floor = r["link_bytes_floor_per_round"]
+        if not floor:
+            self.warnings.append("residency_fill_half: no history had to stream (floor 0)")
+        self.figure("residency.fill_bytes_over_floor",
+                    r["link_bytes_per_round"] / floor if floor else float("nan"))
+        self._check_link_bound("residency_fill_half", r)
+
+    def balanced(self) -> None:
+        s = replace(self.bal, device_kv_bytes=self.sizes.balanced_device_kv_bytes)
+        ss = self.run("bal_specstream", "specstream", "balanced", s)
+        bases = [("offload_spec", "offload-spec"), ("offload", "offload")]
+        if self.sizes.parallel_spec:
+            bases.append(("parallel_spec", "parallel-spec"))
+        for key, mode in bases:
+            b = self.run(f"bal_{key}", mode, "balanced", s)
+            per = b["devices"] if mode == "parallel-spec" else 1
+            suffix = "_per_device" if mode == "parallel-spec" else ""
+            self.figure(f"balanced.specstream_over_{key}_decode_only{suffix}",
+                        ss["decode_only_tokens_per_s"] * per / b["decode_only_tokens_per_s"])
+
+    def _check_link_bound(self, name: str, r: dict[str, Any]) -> None:
+        u = r["decode_only_link_utilization"]
+        if u < LINK_BOUND_UTILIZATION:
+            self.warnings.append(f"{name}: decode-only link utilisation {u:.2f} < "
+                                 f"{LINK_BOUND_UTILIZATION}: not link-bound in this repeat")
+
+
+GROUPS: dict[str, Callable[[Guard], None]] = {
+    "host_overhead": Guard.host_overhead, "link_bound": Guard.link_bound,
+    "host_attention": Guard.host_attention, "residency": Guard.residency,
+    "balanced": Guard.balanced,
+}
+
+
+def measure(size: str, repeats: int | None = None,
+            groups: tuple[str, ...] = tuple(GROUPS)) -> dict[str, Any]:
+    """Every figure of ``groups``, ``repeats`` times in turn; the report (JSON-ready)."""
+    pkg = check_package()
+    sizes = SIZES[size]
+    repeats = repeats or sizes.repeats
+    t0, load0 = time.perf_counter(), os.getloadavg()
+    guard = Guard(sizes)
+    for rep in range(repeats):
+        for g in groups:
+            _log(f"repeat {rep + 1}/{repeats}: {g} ...")
+            GROUPS[g](guard)
+    report = {
+        "guard": "bench/regress.py", "revision": _git("rev-parse", "HEAD"),
+        "modified_files": _git("status", "--porcelain", "--untracked-files=no").splitlines(),
+        "specstream": str(pkg.relative_to(CHECKOUT)), "size": size, "sizes": asdict(sizes),
+        "repeats": repeats, "groups": list(groups),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "load_average_1min": [load0[0], os.getloadavg()[0]],
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "cpus": os.cpu_count()},
+        "figures": {k: summary(k, v) for k, v in guard.values.items()},
+        "runs": {name: {k: spread(v) for k, v in keys.items()}
+                 for name, keys in guard.runs.items()},
+        "warnings": guard.warnings,
+    }
+    return report
+
+
+def summary(name: str, values: list[Any]) -> dict[str, Any]:
+    better, what = FIGURES[name]
+    if better == TRUE:
+        return {"better": better, "what": what, "values": values, "all": all(values)}
+    return {"better": better, "what": what, **spread(values)}
+
+
+def spread(values: list[Any]) -> dict[str, Any]:
+    return {"values": values, "min": min(values), "median": statistics.median(values),
+            "max": max(values)}
+
+
+def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several reports of one revision as one: every figure's and run's repeats together."""
+    out = copy.deepcopy(reports[0])
+    for r in reports[1:]:
+        for name, fig in r["figures"].items():
+            if name in out["figures"]:
+                out["figures"][name]["values"] += fig["values"]
+            else:
+                out["figures"][name] = copy.deepcopy(fig)
+        for name, keys in r["runs"].items():
+            for k, v in keys.items():
+                out["runs"].setdefault(name, {}).setdefault(k, {"values": []})["values"] += \
+                    v["values"]
+        out["warnings"] += r["warnings"]
+    for name, fig in out["figures"].items():
+        out["figures"][name] = summary(name, fig["values"])
+    out["runs"] = {n: {k: spread(v["values"]) for k, v in keys.items()}
+                   for n, keys in out["runs"].items()}
+    out["repeats"] = sum(r["repeats"] for r in reports)
+    out["wall_s"] = [r["wall_s"] for r in reports]
+    out["merged_from"] = len(reports)
+    return out
+
+
+# --- comparing ---------------------------------------------------------------------------
+
+def verdict(better: str, a: list[Any], b: list[Any]) -> str:
+    """'worse', 'better' or 'within' (the spread of the repeats); booleans: 'worse' when B
+    has a False."""
+    if better == TRUE:
+        return "within" if all(b) else "worse"
+    sign = 1.0 if better == HIGHER else -1.0
+    a_s, b_s = [sign * x for x in a], [sign * x for x in b]
+    ma, mb = statistics.median(a_s), statistics.median(b_s)
+    if mb < min(a_s) and ma > max(b_s):
+        return "worse"
+    if mb > max(a_s) and ma < min(b_s):
+        return "better"
+    return "within"
+
+
+def compare(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Each figure's verdict (B against A), and notes on what differs between the runs."""
+    notes = []
+    if a.get("sizes") != b.get("sizes"):
+        notes.append("the two reports ran different workloads (sizes differ): figures are "
+                     "not comparable")
+    rows = []
+    for name in dict.fromkeys([*a["figures"], *b["figures"]]):
+        fa, fb = a["figures"].get(name), b["figures"].get(name)
+        if fa is None or fb is None:
+            rows.append({"figure": name, "verdict": "missing in " + ("A" if fa is None else "B")})
+            continue
+        rows.append({"figure": name, "better": fa["better"],
+                     "a": fa["values"], "b": fb["values"],
+                     "verdict": verdict(fa["better"], fa["values"], fb["values"])})
+    return rows, notes
+
+
+def format_comparison(rows: list[dict[str, Any]], notes: list[str]) -> str:
+    def cell(values: list[Any]) -> str:
+        if isinstance(values[0], bool):
+            return "all True" if all(values) else f"{values.count(False)} False"
+        return (f"{statistics.median(values):.4g} [{min(values):.4g}-{max(values):.4g}] "
+                f"n={len(values)}")
+
+    lines = ["| figure | better | A median [min-max] | B median [min-max] | B / A | verdict |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "a" not in r:
+            lines.append(f"| {r['figure']} | | | | | {r['verdict']} |")
+            continue
+        ratio = ("" if r["better"] == TRUE else
+                 f"{statistics.median(r['b']) / statistics.median(r['a']):.3f}")
+        mark = "**WORSE**" if r["verdict"] == "worse" else r["verdict"]
+        lines.append(f"| {r['figure']} | {r['better']} | {cell(r['a'])} | {cell(r['b'])} | "
+                     f"{ratio} | {mark} |")
+    return "\n".join(lines + [f"note: {n}" for n in notes])
+
+
+# --- two checkouts, interleaved ----------------------------------------------------------
+
+def interleave(checkouts: list[Path], labels: list[str], passes: int, size: str,
+               repeats: int | None, results: Path) -> int:
+    """A, B, A, B...: each checkout's own bench/regress.py in a process of its own (its
+    package on the import path), ``passes`` times each, alternating; writes each label's
+    merged report to ``results/regress-LABEL.json`` and compares the last with the first."""
+    parts: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+    with tempfile.TemporaryDirectory() as tmp:
+        for p in range(passes):
+            for checkout, label in zip(checkouts, labels):
+                script = checkout / "bench" / "regress.py"
+                if not script.is_file():
+                    raise SystemExit(f"{script} is missing: copy this file there first")
+                out = Path(tmp) / f"{label}-{p}.json"
+                cmd = [sys.executable, str(script), "--out", str(out), "--size", size]
+                if repeats:
+                    cmd += ["--repeats", str(repeats)]
+                _log(f"pass {p + 1}/{passes}: {label} ...")
+                env = {**os.environ, "PYTHONPATH": str(checkout)}
+                subprocess.run(cmd, cwd=checkout, env=env, check=True)
+                parts[label].append(json.loads(out.read_text()))
+    merged = {label: merge(reports) for label, reports in parts.items()}
+    for label, report in merged.items():
+        path = results / f"regress-{label}.json"
+        path.write_text(json.dumps({**report, "label": label}, indent=1) + "\n")
+        _log(f"wrote {path}")
+    rows, notes = compare(merged[labels[0]], merged[labels[-1]])
+    print(format_comparison(rows, notes))
+    return 1 if any(r["verdict"] == "worse" for r in rows) else 0
+
+
+# --- command line ------------------------------------------------------------------------
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", "-C", str(CHECKOUT), *args], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def _log(msg: str) -> None:
+    print(f"[regress] {msg}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, help="write the report to this JSON file")
+    ap.add_argument("--label", default=None, help="a name for the revision, kept in the JSON")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="repeats of every figure (default: 3; 2 with --quick)")
+    ap.add_argument("--quick", action="store_true", help="smaller workloads (--size quick)")
+    ap.add_argument("--size", choices=sorted(SIZES), default="full")
+    ap.add_argument("--groups", default=",".join(GROUPS),
+                    help=f"comma-separated figure groups (default: all: {','.join(GROUPS)})")
+    ap.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"),
+                    help="compare two reports (B against A) instead of measuring")
+    ap.add_argument("--interleave", nargs="+", type=Path, metavar="CHECKOUT",
+                    help="measure these checkouts in turn, --passes times each")
+    ap.add_argument("--labels", default=None,
+                    help="--interleave: a label per checkout (default: a, b, ...)")
+    ap.add_argument("--passes", type=int, default=2, help="--interleave: passes per checkout")
+    ap.add_argument("--results", type=Path, default=Path(__file__).parent / "results",
+                    help="--interleave: where the regress-LABEL.json files go")
+    args = ap.parse_args(argv)
+    size = "quick" if args.quick else args.size
+    if args.compare:
+        a, b = (json.loads(p.read_text()) for p in args.compare)
+        rows, notes = compare(a, b)
+        print(format_comparison(rows, notes))
+        return 1 if any(r["verdict"] == "worse" for r in rows) else 0
+    if args.interleave:
+        labels = (args.labels.split(",") if args.labels
+                  else [chr(ord("a") + i) for i in range(len(args.interleave))])
+        if len(labels) != len(args.interleave):
+            raise SystemExit("--labels needs one label per checkout")
+        return interleave([p.resolve() for p in args.interleave], labels, args.passes, size,
+                          args.repeats, args.results)
+    groups = tuple(g.strip() for g in args.groups.split(",") if g.strip())
+    unknown = set(groups) - set(GROUPS)
+    if unknown:
+        raise SystemExit(f"unknown groups {sorted(unknown)}: choose from {list(GROUPS)}")
+    report = measure(size, args.repeats, groups)
+    if args.label:
+        report["label"] = args.label
+    for name, fig in report["figures"].items():
+        if fig["better"] == TRUE:
+            print(f"{name}: {'all True' if fig['all'] else 'SOME FALSE'} "
+                  f"({len(fig['values'])} runs)")
+        else:
+            print(f"{name}: {fig['median']:.4g} [{fig['min']:.4g}-{fig['max']:.4g}] "
+                  f"({fig['better']} is better)")
+    for w in report["warnings"]:
+        print(f"warning: {w}")
+    print(f"[regress] {report['wall_s']:.0f} s")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        _log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
