@@ -395,7 +395,7 @@ def fmt(v: Any, scale: float = 1.0, digits: int = 1) -> str:
 
 
 def table(runs: list[dict[str, Any]]) -> str:
-    lines = ["| client | endpoint | success | figure | client | server /metrics |",
+    lines = ["| client | endpoint | success | figure | client's | server's /metrics |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in runs:
         c, m = r["client_figures"], r["server_metrics"]
@@ -415,7 +415,7 @@ def table(runs: list[dict[str, Any]]) -> str:
                 ("output tokens", fmt(c.get("output_tokens"), digits=0),
                  fmt(gen and gen["value"], digits=0)),
                 ("output throughput (tok/s)", fmt(c.get("output_throughput")),
-                 fmt(gen and dur and gen["value"] / dur) + " (tokens / client's duration)"),
+                 fmt(gen and dur and gen["value"] / dur)),
                 ("requests finished", f"{r['succeeded']} of {r['requests']}",
                  fmt(m.get("requests") and m["requests"]["value"], digits=0))]
         drafts, accepted = m.get("draft_tokens"), m.get("accepted_tokens")
@@ -432,6 +432,19 @@ def table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def local_flags_dropped(argv: list[str]) -> list[str]:
+    """The command line without --work / --out (this machine's folders)."""
+    out, skip = [], False
+    for a in argv:
+        if skip or a.startswith(("--work=", "--out=")):
+            skip = False
+            continue
+        skip = a in ("--work", "--out")
+        if not skip:
+            out.append(a)
+    return out
+
+
 def revision() -> str:
     """The commit measured, and whether the package had uncommitted changes."""
     def git(*a: str) -> str:
@@ -439,6 +452,25 @@ def revision() -> str:
     dirty = git("status", "--porcelain", "--", "specstream").strip()
     return git("rev-parse", "--short", "HEAD").strip() + (
         " + uncommitted changes under specstream/" if dirty else "")
+
+
+def report(rec: dict[str, Any]) -> str:
+    """The Markdown of one run's record."""
+    runs = rec["runs"]
+    md = (f"# Ecosystem clients against specstream serve\n\n`{rec['command']}`\n\n"
+          f"Server: {rec['server']}, revision {rec['revision']}. "
+          f"Workload: {json.dumps(rec['workload'])}; lm-eval: "
+          f"{len(LM_EVAL_DOCS)} documents of two local tasks. Machine: {rec['machine']}.\n\n"
+          "The server's figures are what its histograms and counters gained during that "
+          "client's run (means: sum over count; medians: interpolated within buckets, as "
+          "Prometheus' histogram_quantile); its throughput is its generation tokens over the "
+          "client's duration.\n\n"
+          f"{table(runs)}\n")
+    for r in runs:
+        if r["first_errors"]:
+            md += f"\n{r['client']}: first errors:\n\n```\n" + "\n".join(
+                e[:400] for e in r["first_errors"]) + "\n```\n"
+    return md
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -478,8 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
     rec = {
-        "command": "bash bench/ecosystem_clients.sh " + shlex.join(
-            sys.argv[1:] if argv is None else argv),
+        "command": "bash bench/ecosystem_clients.sh " + shlex.join(local_flags_dropped(
+            sys.argv[1:] if argv is None else argv)),
         "server": "specstream serve " + args.server_args + " (embedded pair, loopback)",
         "workload": {"dataset": "random token ids (sglang random-ids, guidellm synthetic_text)",
                      "input_len": args.input_len, "output_len": args.output_len,
@@ -492,15 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(rec, indent=1) + "\n")
-    md = (f"# Ecosystem clients against specstream serve\n\n`{rec['command']}`\n\n"
-          f"Server: {rec['server']}, revision {rec['revision']}. "
-          f"Workload: {json.dumps(rec['workload'])}; lm-eval: "
-          f"{len(LM_EVAL_DOCS)} documents of two local tasks. Machine: {rec['machine']}.\n\n"
-          f"{table(runs)}\n")
-    for r in runs:
-        if r["first_errors"]:
-            md += f"\n{r['client']}: first errors:\n\n```\n" + "\n".join(
-                e[:400] for e in r["first_errors"]) + "\n```\n"
+    md = report(rec)
     args.out.with_suffix(".md").write_text(md)
     print(md)
     return 0 if runs and all(r["success_pct"] == 100 for r in runs) else 1
