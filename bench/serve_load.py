@@ -249,19 +249,20 @@ async def server_metrics(client: httpx.AsyncClient) -> dict[str, float]:
         text = (await client.get("/metrics")).text
     except httpx.HTTPError:
         return {}
-    keep = ("specstream_spec_mean_accepted_len", "specstream_spec_acceptance_rate",
-            "specstream_generation_tokens_total", "specstream_kv_device_used_bytes",
-            "specstream_kv_host_used_bytes", "specstream_engine_loop_errors_total")
+    keep = ("specstream:spec_mean_accepted_len", "specstream:spec_acceptance_rate",
+            "vllm:generation_tokens_total", "specstream:kv_device_used_bytes",
+            "specstream:kv_host_used_bytes", "specstream:engine_loop_errors_total",
+            "vllm:prefix_cache_queries_total")
     out = {}
     for line in text.splitlines():  # `name{model_name="..."} value`; these have no other label
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if line.startswith("#"):
             continue
         if name in keep:
-            out[name.removeprefix("specstream_")] = float(line.rsplit(" ", 1)[1])
-        elif name.startswith("specstream_prefix_cache_"):
+            out[name.split(":", 1)[1]] = float(line.rsplit(" ", 1)[1])  # keys as before
+        elif name.startswith("specstream:prefix_cache_"):  # by tier
             tier = re.search(r'tier="([^"]*)"', line)
-            key = name.removeprefix("specstream_") + (f":{tier.group(1)}" if tier else "")
+            key = name.split(":", 1)[1] + (f":{tier.group(1)}" if tier else "")
             out[key] = float(line.rsplit(" ", 1)[1])
     return out
 
