@@ -3,7 +3,7 @@ endpoints and ``specstream serve``'s vLLM spellings.
 
 Pure parts (logprob shapes, response bodies, streams of hand-built engine outputs, request
 validation, SamplingParams mapping, CLI parsing) are tested without an engine; one live server
-(the tiny random Qwen3 of ``test_server.py``, n-gram speculation on) and one offline ``LLM``
+(the tiny random Qwen3 of ``server_helpers.py``, n-gram speculation on) and one offline ``LLM``
 check the rest end to end with the ``openai`` client, against offline decoding with the same
 SamplingParams.
 """
@@ -25,7 +25,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from test_server import CHAT_TEMPLATE, ENGINE, MODEL, LiveServer, chat_model  # noqa: E402, F401
+from server_helpers import CHAT_TEMPLATE, ENGINE, MODEL, LiveServer, chat_model  # noqa: E402, F401
 
 from specstream import LLM, SamplingParams  # noqa: E402
 from specstream.engine.request import CompletionOutput, Logprob, RequestOutput  # noqa: E402

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from test_server import (  # noqa: E402
+from server_helpers import (  # noqa: E402
     ENGINE,
     MODEL,
     PROMPTS,

@@ -21,7 +21,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from test_server import MODEL, LiveServer, chat_model  # noqa: E402, F401
+from server_helpers import MODEL, LiveServer, chat_model  # noqa: E402, F401
 
 from specstream import LLM, SamplingParams  # noqa: E402
 
