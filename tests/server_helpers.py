@@ -28,6 +28,9 @@ ENGINE = dict(device_kv_bytes=4_000_000, block_size=16, max_prefill_tokens=256, 
               num_speculative_tokens=3)
 PROMPTS = ["def step(self):", "The engine", "import torch\n", "class Scheduler:",
            "return self.", "# KV blocks", "for req in", "async def"]
+# the same template, also reading a chat_template_kwargs variable (the live server of
+# test_openai_params.py and the template file of test_serve_cli.py)
+GREETING_TEMPLATE = CHAT_TEMPLATE + "{% if greeting %}{{ greeting }}{% endif %}"
 
 
 def build_chat_model(folder: Path) -> Path:
