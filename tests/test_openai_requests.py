@@ -11,13 +11,10 @@ import pytest
 pytest.importorskip("fastapi")
 
 from specstream import SamplingParams  # noqa: E402
-from specstream.server.protocol import (  # noqa: E402
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    parse_request,
-)
-from specstream.server.serving import sampling_params  # noqa: E402
+from specstream.server.errors import APIError  # noqa: E402
+from specstream.server.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
+from specstream.server.request_body import parse_request  # noqa: E402
+from specstream.server.request_params import sampling_params  # noqa: E402
 
 ACCEPTED = {  # what applications and benchmark clients send, at values that work here
     "best_of": 1, "response_format": {"type": "text"}, "store": False, "user": "u",

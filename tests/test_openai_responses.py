@@ -16,16 +16,17 @@ pytest.importorskip("fastapi")
 from specstream.engine.request import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from specstream.llm import default_model_dir  # noqa: E402
 from specstream.server import serving  # noqa: E402
-from specstream.server.protocol import (  # noqa: E402
+from specstream.server.logprob_shapes import (  # noqa: E402
     LOGPROB_FLOOR,
-    ChatCompletionRequest,
-    CompletionRequest,
     TokenNames,
     chat_logprobs,
     completion_logprobs,
-    parse_request,
 )
-from specstream.server.serving import render, response_body, stream  # noqa: E402
+from specstream.server.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
+from specstream.server.request_body import parse_request  # noqa: E402
+from specstream.server.request_params import render  # noqa: E402
+from specstream.server.responses import response_body  # noqa: E402
+from specstream.server.stream import stream  # noqa: E402
 from specstream.tokenizer import Tokenizer  # noqa: E402
 
 

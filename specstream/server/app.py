@@ -25,17 +25,18 @@ from specstream import __version__
 from specstream.llm import LLM
 from specstream.server import serving
 from specstream.server.async_engine import AsyncEngine
+from specstream.server.errors import APIError
 from specstream.server.metrics import CONTENT_TYPE, MetricsExporter
 from specstream.server.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
-    decode_json,
-    parse_request,
 )
+from specstream.server.request_body import decode_json, parse_request
+from specstream.server.request_params import render, sampling_params
+from specstream.server.stream import JobStream
 
 # generation_config.json's sampling fields that become request defaults (vLLM's list;
 # max_new_tokens arrives as max_tokens)
@@ -144,9 +145,10 @@ def openai_app(
     vocab_size: int | None = None,
     **fastapi_kwargs: Any,
 ) -> FastAPI:
-    """The OpenAI routes over ``backend`` (anything ``serving.submit/stream/collect`` accept:
-    the local :class:`AsyncEngine`, or the Ray ingress's replica pool). ``vocab_size`` (the
-    model's) bounds the token ids of ``logit_bias``; None leaves that to the engine.
+    """The OpenAI routes over ``backend`` (anything ``serving.submit/collect`` and
+    ``JobStream`` accept: the local :class:`AsyncEngine`, or the Ray ingress's replica pool).
+    ``vocab_size`` (the model's) bounds the token ids of ``logit_bias``; None leaves that to
+    the engine.
 
     Endpoints are plain Starlette routes, so callers that import FastAPI lazily can use it.
     """
@@ -199,18 +201,18 @@ def openai_app(
                                 f"prompt(s) x n={req.n}), more than the server ever queues at "
                                 f"once (--max-queue {config.max_queue}); send fewer prompts "
                                 "or a smaller n.", param="n" if req.n > 1 else param)
-        params = [serving.sampling_params(req, len(p), max_len, param, config.default_sampling,
-                                          vocab_size) for p in prompts]
+        params = [sampling_params(req, len(p), max_len, param, config.default_sampling,
+                                  vocab_size) for p in prompts]
         stops = tuple(params[0].stop or ())  # normalised to a tuple by SamplingParams
-        render = serving.render(req, tok, config.enable_prompt_tokens_details)
-        job = serving.new_job(kind, req.model, prompts, texts, req.n, stops, render,
+        job = serving.new_job(kind, req.model, prompts, texts, req.n, stops,
+                              render(req, tok, config.enable_prompt_tokens_details),
                               req.stream and req.include_usage,
                               request.headers.get("x-request-id") or req.request_id)
         await serving.submit(backend, job, prompts, params)
         try:
             headers = on_submit(job, req) if on_submit is not None else {}
             if req.stream:
-                return serving.JobStream(backend, job, headers)
+                return JobStream(backend, job, headers)
             return JSONResponse(await serving.collect(backend, job, request), headers=headers)
         except BaseException:
             serving.close(backend, job)

@@ -1,95 +1,40 @@
-"""OpenAI request bodies (pydantic, strict types), OpenAI-style error bodies, logprob shapes.
+"""OpenAI's and vLLM's request bodies as strict pydantic models.
 
 Requests are validated strictly, as the OpenAI API does: ``"5"`` is not an integer, a field of
 the wrong type is a 400 naming the field, and an unrecognised argument is a 400 ("Unrecognized
 request argument supplied: foo"). The fields are OpenAI's and vLLM's (same names, defaults and
-checks, so vLLM's and SGLang's clients work unchanged). A field this server cannot honour is
-accepted only at the values where it changes nothing (``best_of == n``, ``response_format``
-text, ``store: false``, ``priority: 0``, ...) and is otherwise a 400 naming it, so a client
-never silently gets other semantics than it asked for.
-
-Bodies are decoded by :func:`decode_json`, stricter than ``json.loads``: ``NaN``, ``Infinity``,
-numbers beyond a double, integers of over 100 digits and nesting deeper than the recursion
-limit are 400s. Text with a lone surrogate (``"\\ud800"`` is valid JSON but no Unicode
-character) is a 400 naming its field: no tokenizer can encode it, no response could echo it.
-
-The logprob shapes (:func:`completion_logprobs`, :func:`chat_logprobs`) are pure functions of
-the engine's per-position :class:`~specstream.engine.request.Logprob` dicts.
+checks, so vLLM's and SGLang's clients work unchanged). Which of them are accepted only at
+their no-op values is :mod:`specstream.server.field_policy`'s; a body is decoded and validated
+by :func:`specstream.server.request_body.parse_request`.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
-from specstream.engine.request import Logprob, PositionLogprobs
-
-MAX_INT_DIGITS = 100  # no field takes more (a seed has 20); Python refuses past 4300 anyway
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs (and OpenAI's top_logprobs limit)
-LOGPROB_FLOOR = -9999.0  # what OpenAI and vLLM send for a log-probability of -inf
-
-
-class APIError(Exception):
-    """An error answered with an HTTP status and an OpenAI-style body."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type, param
-        self.code = status if code is None else code
-
-    def body(self) -> dict[str, Any]:
-        """``{"error": {"message", "type", "param", "code"}}`` as OpenAI sends it."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+from specstream.server.errors import APIError
+from specstream.server.field_policy import (
+    CHAT_NOOP,
+    CHAT_TEMPLATE_NOOP,
+    COMPLETION_NOOP,
+    MAX_LOGPROBS,
+    SAMPLING_NOOP,
+    STRUCTURED,
+    TOOLS,
+    NoopTable,
+    StrictModel,
+)
 
 
-def server_error(message: str) -> APIError:
-    """A 500 for failures inside the engine (a failed KV transfer, a crashed loop)."""
-    return APIError(500, message, type="server_error")
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    # Fields accepted only at these values (each does nothing here at them); a reason may
-    # follow the values. Anything else is a 400 naming the field.
-    NOOP: ClassVar[dict[str, tuple[Any, ...]]] = {}
-
-    def unsupported(self) -> APIError | None:
-        """A 400 for the first field set to a value this server does not implement."""
-        for name, accepted in self.NOOP.items():
-            value = getattr(self, name)
-            values = [a for a in accepted if not isinstance(a, _Why)]
-            if not any(value == a and type(value) is type(a) for a in values):
-                why = next((a.text for a in accepted if isinstance(a, _Why)), "")
-                shown = " or ".join(json.dumps(a) for a in values)
-                return APIError(400, f"'{name}' = {json.dumps(value)[:80]} is not supported by "
-                                     f"this server (it accepts {shown}){why}.", param=name)
-        return None
-
-
-@dataclass(frozen=True)
-class _Why:
-    text: str
-
-
-STRUCTURED = _Why(": structured output (JSON mode, schemas, regexes, grammars) is not "
-                  "implemented yet")
-TOOLS = _Why(": tool calling is not implemented")
-
-
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool | None = True  # vLLM: stream_options given means usage unless false
     continuous_usage_stats: bool | None = False  # vLLM: usage on every chunk too
 
 
-class _SamplingRequest(_Strict):
+class _SamplingRequest(StrictModel):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's)."""
 
     model: str
@@ -120,7 +65,7 @@ class _SamplingRequest(_Strict):
     request_id: str | None = None
     # With logprobs: tokens as "token_id:<id>" (text that is not valid UTF-8 stays readable).
     return_tokens_as_token_ids: bool | None = None
-    # Accepted at their no-op values (see ``NOOP``).
+    # Accepted at their no-op values (see ``NOOP``, from field_policy).
     response_format: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -145,25 +90,7 @@ class _SamplingRequest(_Strict):
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
 
-    NOOP: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "store": (None, False, _Why(": responses are not stored")),
-        "service_tier": (None, "auto", "default"),
-        "spaces_between_special_tokens": (True,),
-        "truncate_prompt_tokens": (None,),
-        "priority": (0, _Why(": requests are served first come, first served")),
-        "use_beam_search": (False,),
-        "length_penalty": (1.0, _Why(": it applies to beam search only")),
-        "allowed_token_ids": (None,),
-        "bad_words": (None, []),
-        "logits_processors": (None,),
-        **{name: (None, STRUCTURED) for name in (
-            "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-            "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
-            "structured_outputs")},
-        "cache_salt": (None, _Why(": the prefix cache is shared by all requests")),
-        "kv_transfer_params": (None,),
-        "vllm_xargs": (None,),
-    }
+    NOOP: ClassVar[NoopTable] = SAMPLING_NOOP
 
     def unsupported(self) -> APIError | None:
         fmt = self.response_format
@@ -209,8 +136,7 @@ class CompletionRequest(_SamplingRequest):
     add_special_tokens: bool = True
     prompt_embeds: Any = None
 
-    NOOP: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **_SamplingRequest.NOOP, "suffix": (None,), "prompt_embeds": (None,)}
+    NOOP: ClassVar[NoopTable] = COMPLETION_NOOP
 
     def _check(self) -> APIError | None:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -222,12 +148,12 @@ class CompletionRequest(_SamplingRequest):
         return super()._check()
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
@@ -241,7 +167,7 @@ class ChatMessage(_Strict):
 _RENDER_ARGS = {"messages", "add_generation_prompt", "continue_final_message", "chat_template"}
 
 
-class _ChatTemplateFields(_Strict):
+class _ChatTemplateFields(StrictModel):
     """How messages are rendered: vLLM's fields, shared by chat and ``/tokenize``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -254,12 +180,7 @@ class _ChatTemplateFields(_Strict):
     mm_processor_kwargs: Any = None
     tools: list[Any] | None = None
 
-    NOOP: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "chat_template": (None, _Why(": templates sent with requests are not trusted; start "
-                                     "the server with --chat-template instead")),
-        "mm_processor_kwargs": (None,),
-        "tools": (None, [], TOOLS),
-    }
+    NOOP: ClassVar[NoopTable] = CHAT_TEMPLATE_NOOP
 
     def template_check(self) -> APIError | None:
         if self.continue_final_message and "add_generation_prompt" in self.model_fields_set \
@@ -304,12 +225,7 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingRequest):
     verbosity: str | None = None
     web_search_options: Any = None
 
-    NOOP: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **_SamplingRequest.NOOP, **_ChatTemplateFields.NOOP,
-        "reasoning_effort": (None,), "modalities": (None, ["text"]), "audio": (None,),
-        "prediction": (None,), "functions": (None, [], TOOLS),
-        "function_call": (None, "none", TOOLS), "verbosity": (None,),
-        "web_search_options": (None,)}
+    NOOP: ClassVar[NoopTable] = CHAT_NOOP
 
     def _check(self) -> APIError | None:
         top = self.top_logprobs
@@ -331,7 +247,7 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeCompletionRequest(_Strict):
+class TokenizeCompletionRequest(StrictModel):
     """``POST /tokenize`` with a prompt (vLLM's shape)."""
 
     model: str | None = None
@@ -350,201 +266,9 @@ class TokenizeChatRequest(_ChatTemplateFields):
         return super().unsupported() or self.template_check()
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     """``POST /detokenize``: token ids back to text."""
 
     model: str | None = None
     tokens: list[int]
 
-
-def decode_json(body: bytes) -> Any:
-    """A request body as JSON; anything that is not plain JSON is a 400."""
-    try:
-        return json.loads(body, parse_constant=_no_constant, parse_float=_finite_float,
-                          parse_int=_short_int)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
-        detail = "it is nested too deeply" if isinstance(exc, RecursionError) else exc
-        raise APIError(400, f"The request body is not valid JSON: {detail}") from None
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _short_int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise ValueError(f"the integer {text[:24]}... has more than {MAX_INT_DIGITS} digits")
-    return int(text)
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"the number {text[:32]} is out of range")
-    return value
-
-
-def parse_request(cls: type[_Strict], data: Any) -> Any:
-    """Validate a decoded JSON body; every failure becomes a 400 naming the field."""
-    if not isinstance(data, dict):
-        raise APIError(400, "The request body must be a JSON object.")
-    _check_unicode(data)
-    try:
-        req = cls.model_validate(data)
-    except ValidationError as exc:
-        raise _validation_error(exc) from None
-    err = req.unsupported()
-    if err is not None:
-        raise err
-    return req
-
-
-def _check_unicode(data: dict[str, Any]) -> None:
-    """A 400 naming the top-level field whose text (or key) holds a lone surrogate."""
-    for name, value in data.items():
-        if not _valid_text(name):
-            raise APIError(400, "A field name is not valid Unicode (it holds a lone surrogate).")
-        todo = [value]
-        while todo:  # iterative: JSON nesting may be deeper than Python's recursion limit
-            item = todo.pop()
-            if isinstance(item, str):
-                bad = not _valid_text(item)
-            elif isinstance(item, dict):
-                bad = not all(_valid_text(k) for k in item)
-                todo.extend(item.values())
-            elif isinstance(item, list):
-                bad = False
-                todo.extend(item)
-            else:
-                bad = False
-            if bad:
-                raise APIError(400, f"Invalid value for '{name}': the text is not valid Unicode "
-                                    "(it holds a lone surrogate, \\ud800-\\udfff).", param=name)
-
-
-def _valid_text(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _validation_error(exc: ValidationError) -> APIError:
-    err = exc.errors()[0]
-    loc = [str(p) for p in err["loc"]]
-    param = loc[0] if loc else None
-    if err["type"] == "missing":
-        return APIError(400, f"Missing required parameter: '{'.'.join(loc)}'.", param=param)
-    if err["type"] == "extra_forbidden":
-        return APIError(400, f"Unrecognized request argument supplied: {'.'.join(loc)}",
-                        param=param)
-    if param == "prompt":
-        return APIError(400, "Invalid type for 'prompt': expected a string, an array of "
-                             "strings, an array of token ids or an array of such arrays.",
-                        param=param)
-    where = ".".join(p for p in loc if not _is_type_name(p))
-    return APIError(400, f"Invalid value for '{where or param}': {err['msg']}.", param=param)
-
-
-def _is_type_name(part: str) -> bool:
-    """Pydantic puts union member types ("str", "list[int]", "TextPart") into error paths."""
-    return "[" in part or part[:1].isupper() or part in {"str", "int", "float", "bool", "dict"}
-
-
-# ---- logprobs, as OpenAI's responses spell them --------------------------------------------
-
-@dataclass(frozen=True)
-class TokenNames:
-    """How tokens are written in logprobs: their text (the engine's ``decoded_token``, else
-    the tokenizer's), or ``token_id:<id>`` (vLLM's return_tokens_as_token_ids)."""
-
-    tok: Any  # the Tokenizer, or None (token-id models)
-    as_ids: bool = False
-
-    def text(self, token_id: int, lp: Logprob | None = None) -> str:
-        if self.as_ids or self.tok is None:
-            return f"token_id:{token_id}"
-        if lp is not None and lp.decoded_token is not None:
-            return lp.decoded_token
-        return self.tok.decode([token_id], skip_special_tokens=False)
-
-    def bytes(self, token_id: int, text: str) -> list[int]:
-        if self.as_ids or self.tok is None:
-            return list(text.encode("utf-8"))
-        return self.tok.token_bytes(token_id)
-
-
-def _floor(logprob: float) -> float:
-    """JSON has no -inf (nor NaN): OpenAI's floor instead."""
-    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
-
-
-def _top(position: PositionLogprobs, n: int) -> list[tuple[int, Logprob]]:
-    """The ``n`` most likely tokens at a position, most likely first."""
-    return sorted(((t, lp) for t, lp in position.items() if lp.rank <= n),
-                  key=lambda item: item[1].rank)
-
-
-Positions = Sequence[PositionLogprobs | None]  # one entry per token (None: no logprobs)
-
-
-def _position(positions: Positions | None, i: int) -> PositionLogprobs | None:
-    return positions[i] if positions is not None and i < len(positions) else None
-
-
-def completion_logprobs(token_ids: list[int], positions: Positions | None,
-                        top_n: int, names: TokenNames, offset: int = 0
-                        ) -> tuple[dict[str, list[Any]], int]:
-    """Completions ``logprobs`` for ``token_ids`` (``positions[i]`` holds token i's): tokens,
-    their log-probabilities, ``top_n`` alternatives (and the token itself) by text, and text
-    offsets from ``offset`` on. A position without logprobs (the prompt's first token) has
-    null ones. Also returns the offset after the last token."""
-    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                                 "text_offset": []}
-    for i, token_id in enumerate(token_ids):
-        pos = _position(positions, i)
-        lp = pos.get(token_id) if pos is not None else None
-        text = names.text(token_id, lp)
-        out["tokens"].append(text)
-        out["text_offset"].append(offset)
-        offset += len(text)
-        if pos is None or lp is None:
-            out["token_logprobs"].append(None)
-            out["top_logprobs"].append(None)
-            continue
-        out["token_logprobs"].append(_floor(lp.logprob))
-        top: dict[str, float] = {}
-        for t, p in [*_top(pos, top_n), (token_id, lp)]:  # tokens of the same text: the likelier
-            top.setdefault(names.text(t, p), _floor(p.logprob))
-        out["top_logprobs"].append(top)
-    return out, offset
-
-
-def chat_logprobs(token_ids: list[int], positions: Positions | None,
-                  top_n: int, names: TokenNames) -> list[dict[str, Any]]:
-    """Chat ``logprobs.content`` for ``token_ids``: each token with its log-probability, its
-    bytes and the ``top_n`` most likely tokens at its position."""
-    content = []
-    for i, token_id in enumerate(token_ids):
-        pos = _position(positions, i)
-        lp = pos.get(token_id) if pos is not None else None
-        text = names.text(token_id, lp)
-        top = [] if pos is None else [
-            {"token": (t_text := names.text(t, p)), "logprob": _floor(p.logprob),
-             "bytes": names.bytes(t, t_text)} for t, p in _top(pos, top_n)]
-        content.append({"token": text,
-                        "logprob": LOGPROB_FLOOR if lp is None else _floor(lp.logprob),
-                        "bytes": names.bytes(token_id, text), "top_logprobs": top})
-    return content
-
-
-def prompt_logprobs_body(positions: Positions | None, names: TokenNames
-                         ) -> list[dict[str, dict[str, Any]] | None] | None:
-    """vLLM's ``prompt_logprobs`` field: per prompt token, ``{token id: {logprob, rank,
-    decoded_token}}`` (None for the first token)."""
-    if positions is None:
-        return None
-    return [None if pos is None else {
-        str(t): {"logprob": _floor(p.logprob), "rank": p.rank, "decoded_token": names.text(t, p)}
-        for t, p in pos.items()} for pos in positions]
