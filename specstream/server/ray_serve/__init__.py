@@ -42,6 +42,7 @@ from specstream.server.ray_serve.deploy import (
     add_ray_args,
     app_builder,
     build_ray_app,
+    ingress_config,
     replica_llm_kwargs,
     run_ray_serve,
     serve_parser,
@@ -60,8 +61,8 @@ from specstream.server.ray_serve.router import rank_by_free_host_kv
 __all__ = [
     "APP_NAME", "REPLICA_HEADER", "EngineReplica", "FreeHostKVRouter", "OpenAIIngress",
     "RemoteJob", "ReplicaPool", "add_ray_args", "app_builder", "build_ingress_app",
-    "build_ray_app", "pool_metrics", "rank_by_free_host_kv", "replica_llm_kwargs",
-    "replica_metrics", "run_ray_serve", "serve_parser",
+    "build_ray_app", "ingress_config", "pool_metrics", "rank_by_free_host_kv",
+    "replica_llm_kwargs", "replica_metrics", "run_ray_serve", "serve_parser",
 ]
 
 

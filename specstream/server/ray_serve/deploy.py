@@ -21,6 +21,8 @@ from specstream.server.ray_serve.router import ROUTER_PATH
 if TYPE_CHECKING:
     from ray.serve.deployment import Application
 
+    from specstream.server.app import ServerConfig
+
 APP_NAME = "specstream"
 
 
@@ -59,23 +61,38 @@ def replica_llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {**folder, **engine_kwargs(args)}
 
 
+def ingress_config(args: argparse.Namespace, model: str) -> ServerConfig:
+    """The ingress's ServerConfig from ``specstream serve --ray`` arguments, as the
+    single-process server builds its own: --chat-template, --generation-config (``auto``
+    reads ``model``'s generation_config.json) and --enable-prompt-tokens-details included."""
+    from specstream.server.app import ServerConfig
+    from specstream.server.cli import generation_defaults, load_chat_template, served_name
+
+    return ServerConfig(
+        model_name=args.served_model_name or served_name(args.model), api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
+        queue_timeout_s=args.queue_timeout, max_n=args.max_n,
+        chat_template=load_chat_template(args.chat_template),
+        default_sampling=generation_defaults(args.generation_config, model),
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+
+
 def build_ray_app(args: argparse.Namespace) -> Application:
     """The Serve application for parsed ``specstream serve --ray`` arguments."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
     from specstream.llm import default_model_dir
-    from specstream.server.app import ServerConfig
-    from specstream.server.cli import served_name
 
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     llm_kwargs = replica_llm_kwargs(args)
     model = llm_kwargs["model"] or str(default_model_dir("target"))  # the ingress's tokenizer
-    config = ServerConfig(
-        model_name=args.served_model_name or served_name(args.model), api_key=args.api_key,
-        max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
-        queue_timeout_s=args.queue_timeout, max_n=args.max_n)
+    config = ingress_config(args, model)
+    if config.default_sampling:
+        print(f"specstream: request defaults from generation_config.json: "
+              f"{dict(config.default_sampling)} (--generation-config vllm leaves them out)",
+              file=sys.stderr)
     gpus = args.replica_gpus
     if gpus is None:
         gpus = 1.0 if str(args.device).startswith("cuda") else 0.0

@@ -29,18 +29,22 @@ class OpenAIIngress:
 
         self.engines, self.config = engines, config
         self.pool = ReplicaPool(engines, max_retries, config.queue_timeout_s)
-        self.max_len = (await engines.info.remote())["max_model_len"]
+        info = await engines.info.remote()
+        self.max_len: int = info["max_model_len"]
+        self.vocab_size: int | None = info.get("vocab_size")  # bounds logit_bias keys
         has_tok = (Path(model_dir) / "tokenizer.json").is_file()
         self.tok = Tokenizer(model_dir) if has_tok else None
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_ingress_app(self.pool, self.engines, self.config, self.tok, self.max_len)
+        return build_ingress_app(self.pool, self.engines, self.config, self.tok, self.max_len,
+                                 self.vocab_size)
 
 
 def build_ingress_app(pool: ReplicaPool, engines: DeploymentHandle, config: ServerConfig,
-                      tok: Any, max_len: int) -> FastAPI:
+                      tok: Any, max_len: int, vocab_size: int | None = None) -> FastAPI:
     """The single-process server's routes (``app.openai_app``) with jobs sent to replicas,
-    the serving replica named in a response header and ``/metrics`` merged over replicas."""
+    the serving replica named in a response header and ``/metrics`` merged over replicas.
+    ``vocab_size`` (the replicas' model's) bounds ``logit_bias`` keys, as on one server."""
     from fastapi.responses import JSONResponse
 
     from specstream.server.app import openai_app
@@ -66,7 +70,7 @@ def build_ingress_app(pool: ReplicaPool, engines: DeploymentHandle, config: Serv
         return exporter.render([s["snapshot"] for s in snaps], pool_metrics(exporter, pool, snaps))
 
     return openai_app(config, tok, max_len, pool, health, metrics, on_submit,
-                      title="SpecStream on Ray Serve")
+                      vocab_size=vocab_size, title="SpecStream on Ray Serve")
 
 
 async def replica_metrics(engines: DeploymentHandle, timeout_s: float = 5.0) -> list[dict]:

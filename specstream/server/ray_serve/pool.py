@@ -1,7 +1,8 @@
 """The ingress's engine: each API request (a job) runs on one replica, retried after a failure.
 
 :class:`ReplicaPool` has ``AsyncEngine``'s ``add``/``abort``, so the single-process server's
-``serving`` code runs unchanged over it; :class:`RemoteJob` is one job on one replica.
+``serving`` and ``stream`` code runs unchanged over it; :class:`RemoteJob` is one job on one
+replica.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ if TYPE_CHECKING:
 
 
 class ReplicaPool:
-    """What ``serving.submit/collect/stream`` need from an engine (``add``, ``abort``), with
-    each job sent to one ``EngineReplica``; counts what it routed for ``/metrics``."""
+    """What ``serving.submit/collect`` and ``stream.JobStream`` need from an engine (``add``,
+    ``abort``), with each job sent to one ``EngineReplica``; counts what it routed for
+    ``/metrics``."""
 
     def __init__(self, handle: DeploymentHandle, max_retries: int, admit_timeout_s: float):
         self.handle = handle.options(stream=True)

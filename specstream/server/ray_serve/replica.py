@@ -82,13 +82,15 @@ class EngineReplica:
                 "finished": sum(dict(m.finished).values()), **self.record_routing_stats()}
 
     async def info(self) -> dict[str, Any]:
-        """Identity (Serve replica id, actor name, pid) and the model's context length."""
+        """Identity (Serve replica id, actor name, pid), the model's context length and its
+        vocabulary size."""
         import ray
 
         self._start()
         return {"replica": self.replica_id, "pid": os.getpid(),
                 "actor_name": ray.get_runtime_context().get_actor_name(),
-                "max_model_len": self.llm.engine.max_model_len}
+                "max_model_len": self.llm.engine.max_model_len,
+                "vocab_size": self.llm.engine.model_config.vocab_size}
 
     def check_health(self) -> None:
         """Serve replaces a replica whose engine loop has stopped."""
