@@ -18,25 +18,28 @@ minutes on two cores; ``--quick`` shrinks them further, for a smoke run):
 - ``host_over_link``: `bench/host_overhead.py`'s host time of a GPU-shaped round over its H200
   link time (lower is better).
 - ``link_bound.*``: the link-bound preset (residency tail, four staging slots, a slow link:
-  a decode round's link time many times its verification), `specstream` against
-  `offload-spec` with a fixed q = 4 chain, end to end and over decode-only rounds: with the
-  same chain (fixed q = 4: the ladder's "+ drafting in the gaps") and with token trees (the
-  ladder's last step: auto, top-4, up to 32 nodes, depth up to 8), and the trees' accepted
-  tokens per round over the chain's.
-- ``host_attention.*``: the same workload, `specstream` (auto policy, q = 4) with
-  ``host_attention="auto"`` against without, the host's attention rate emulated at eight times
-  the link (0.8 GB/s against the preset's 0.1, as `bench/host_attention.py`).
+  a decode round's link time many times its verification), `specstream` over `offload-spec`
+  with a fixed q = 4 chain, end to end and over decode-only rounds: with chains (the engine's
+  default policy, auto, up to q = 4: it drafts 4 deep on most of these rounds) and with
+  token trees (the ladder's last step: auto, top-4, up to 32 nodes, depth up to 8), and the
+  trees' mean accepted tokens per round over the q = 4 chain's.
+- ``host_attention.*``: the same workload, `specstream` with chains and
+  ``host_attention="auto"`` over the chains' run without, the host's attention rate emulated
+  at eight times the link (as `bench/host_attention.py`: 0.8 GB/s against the preset's 0.1).
 - ``residency.fill_bytes_over_floor``: `specstream` with residency fill on a device budget of
-  half the workload's KV, history bytes per round over the least any residency could move
-  (lower is better), on a link-bound link.
-- ``balanced.*``: the default bench's regime (residency fill, the device holding about a third
-  of the workload's KV, a link that takes about as long as a round's compute): decode-only
-  throughput of `specstream` over `offload-spec`, `offload` and, per device, `parallel-spec`.
+  half the workload's KV (the balanced workload over a slower link), history bytes per round
+  over the least any residency could move on that budget (lower is better).
+- ``balanced.*``: the default bench's regime (residency fill on a device budget that holds part
+  of the history, a link that takes about as long as a round's compute), fixed q = 4:
+  decode-only throughput of `specstream` over `offload-spec` and over `offload`. (Not over
+  `parallel-spec`: per device that ratio is twice the one-clock one, and a slower baseline
+  would only flatter `specstream`.)
 - ``outputs_match_reference``: every run's greedy outputs equal `resident`'s.
 
 Beside the figures, each run's regime is kept (decode-only link utilisation, round time over
-floor, mean accepted tokens, prefill share), and a warning is printed when a link-bound run's
-link is idle for more than a fifth of its decode-only rounds.
+floor, mean accepted tokens, prefill share, wall time), and a warning is printed when a
+link-bound run's link idles more than a fifth of its decode-only rounds, or the balanced
+`specstream` run's more than half (compute-bound: a busy machine's slower compute does that).
 
 ``--compare A.json B.json`` prints each figure's median and spread and flags a figure of B as
 worse when it is worse beyond the spread of the repeats: B's median worse than every repeat of
@@ -76,9 +79,12 @@ class Sizes:
     # GB/s, a round streams as long per request as the preset's 4K prompts at 0.1 GB/s
     link_bound: tuple[int, int, int]
     link_bound_gbps: float
-    # the balanced bench's workload and link on its 64 MiB device budget (the README's: 8 x
-    # 4K, 128 tokens, 1 GB/s; at 2K prompts half the link keeps a round's link time near its
-    # compute: `specstream bench --quick --link-gbps 0.5`, bench/results/bench-quick-0.5.json)
+    # the balanced bench's workload, link and device budget. The README's is 8 x 4K prompts,
+    # 128 tokens, 1 GB/s, 64 MiB: residency fill keeps about a third of the history, the
+    # restore modes run 5 of the 8 requests at once and specstream all. Here 6 x 2K prompts
+    # and 48 tokens (as --quick), half the link (half the history a round), and 36 MiB, where
+    # the restore modes run 4 of the 6 and specstream all (64 MiB, --quick's, holds nearly all
+    # of this workload's 77 MB under fill: rounds then stream almost nothing)
     balanced: tuple[int, int, int]
     balanced_gbps: float
     balanced_device_kv_bytes: int
@@ -86,42 +92,43 @@ class Sizes:
     residency_gbps: float
     chunk_tokens: int  # tokens per streamed chunk (a staging slot holds a wave of them)
     host_overhead_argv: tuple[str, ...]
-    parallel_spec: bool  # run parallel-spec in the balanced bench
     repeats: int
 
 
 SIZES = {
     "full": Sizes(link_bound=(2048, 4, 32), link_bound_gbps=0.05,
-                  balanced=(2048, 6, 48), balanced_gbps=0.5, balanced_device_kv_bytes=64 << 20,
+                  balanced=(2048, 6, 48), balanced_gbps=0.5, balanced_device_kv_bytes=36 << 20,
                   residency_gbps=0.25, chunk_tokens=2048, host_overhead_argv=("--rounds", "10"),
-                  parallel_spec=True, repeats=3),
+                  repeats=3),
     "quick": Sizes(link_bound=(1024, 4, 16), link_bound_gbps=0.05,
                    balanced=(1024, 4, 24), balanced_gbps=0.5, balanced_device_kv_bytes=16 << 20,
                    residency_gbps=0.25, chunk_tokens=1024, host_overhead_argv=("--rounds", "4"),
-                   parallel_spec=False, repeats=2),
+                   repeats=2),
     # for the tests: the plumbing, not the figures
     "smoke": Sizes(link_bound=(640, 4, 8), link_bound_gbps=1.0,
-                   balanced=(1024, 4, 8), balanced_gbps=4.0, balanced_device_kv_bytes=12 << 20,
+                   balanced=(768, 4, 6), balanced_gbps=4.0, balanced_device_kv_bytes=12 << 20,
                    residency_gbps=2.0, chunk_tokens=256,
                    host_overhead_argv=("--layers", "2", "--draft-layers", "1", "--requests",
                                        "2", "--chunks", "3", "--rounds", "2"),
-                   parallel_spec=False, repeats=2),
+                   repeats=2),
 }
 # host attention's emulated rate over the link's (bench/host_attention.py: 0.8 against 0.1)
 HOST_OVER_LINK_RATE = 8.0
 RESIDENCY_FRACTION = 0.5
 # a link-bound run whose link idles more than this share of its decode-only rounds has left
-# its regime (the preset's runs: 0.98)
+# its regime (the preset's runs: 0.98); a balanced one that idles more than half of them is
+# compute-bound (the README bench's decode-only rounds: 0.74-0.90)
 LINK_BOUND_UTILIZATION = 0.8
+BALANCED_UTILIZATION = 0.5
 
 HIGHER, LOWER, TRUE = "higher", "lower", "true"
 # figure -> (which way is better, what it is)
 FIGURES: dict[str, tuple[str, str]] = {
     "host_over_link": (LOWER, "host time of a GPU-shaped specstream round / its H200 link time"),
     "link_bound.chain_over_offload_spec": (
-        HIGHER, "output tok/s, specstream fixed q = 4 / offload-spec fixed q = 4"),
+        HIGHER, "output tok/s, specstream chains (auto, q <= 4) / offload-spec fixed q = 4"),
     "link_bound.chain_over_offload_spec_decode_only": (
-        HIGHER, "decode-only tok/s, specstream fixed q = 4 / offload-spec fixed q = 4"),
+        HIGHER, "decode-only tok/s, specstream chains (auto, q <= 4) / offload-spec q = 4"),
     "link_bound.trees_over_offload_spec": (
         HIGHER, "output tok/s, specstream trees (auto, top-4, <= 32 nodes) / offload-spec q = 4"),
     "link_bound.trees_over_offload_spec_decode_only": (
@@ -129,17 +136,16 @@ FIGURES: dict[str, tuple[str, str]] = {
     "link_bound.trees_accepted_over_offload_spec": (
         HIGHER, "mean accepted tokens per round, specstream trees / offload-spec q = 4"),
     "host_attention.speedup": (
-        HIGHER, "output tok/s, specstream host attention auto (host at 8x the link) / off"),
+        HIGHER, "output tok/s, specstream chains with host attention auto (host at 8x the "
+                "link) / without"),
     "host_attention.speedup_decode_only": (
-        HIGHER, "decode-only tok/s, specstream host attention auto / off"),
+        HIGHER, "decode-only tok/s, specstream chains with host attention auto / without"),
     "residency.fill_bytes_over_floor": (
         LOWER, "specstream fill at half the KV: link bytes per round / the floor's"),
     "balanced.specstream_over_offload_spec_decode_only": (
-        HIGHER, "decode-only tok/s, specstream / offload-spec (auto, q <= 4)"),
+        HIGHER, "decode-only tok/s, specstream / offload-spec (both fixed q = 4)"),
     "balanced.specstream_over_offload_decode_only": (
-        HIGHER, "decode-only tok/s, specstream / offload"),
-    "balanced.specstream_over_parallel_spec_decode_only_per_device": (
-        HIGHER, "decode-only tok/s per device, specstream / parallel-spec"),
+        HIGHER, "decode-only tok/s, specstream (fixed q = 4) / offload"),
     "outputs_match_reference": (TRUE, "every run's greedy outputs equal resident's"),
 }
 # per-run values kept beside the figures: the regime each run was in
@@ -241,36 +247,32 @@ class Guard:
             "host_ms_per_round", []).append(r["host_ms_per_round"])
 
     def link_bound(self) -> None:
+        """offload-spec's q = 4 chain against specstream with chains, with trees, and with
+        host attention; one run each."""
         s = self.lb
         base = self.run("lb_offload_spec_q4", "offload-spec", "link_bound", s,
                         speculative_policy="fixed", num_speculative_tokens=4)
-        chain = self.run("lb_specstream_q4", "specstream", "link_bound", s,
-                         speculative_policy="fixed", num_speculative_tokens=4)
+        chain = self.run("lb_specstream_chain", "specstream", "link_bound", s,
+                         speculative_policy="auto", num_speculative_tokens=4)
         trees = self.run("lb_specstream_trees", "specstream", "link_bound", s,
                          speculative_policy="auto", num_speculative_tokens=8,
                          speculative_topk=4, speculative_num_draft_tokens=32)
+        host = self.run("lb_specstream_host_attention", "specstream", "link_bound", s,
+                        speculative_policy="auto", num_speculative_tokens=4,
+                        host_attention="auto",
+                        extra={"host_attention_gbps": HOST_OVER_LINK_RATE * s.link_gbps})
         for name, r in (("chain", chain), ("trees", trees)):
-            self.figure(f"link_bound.{name}_over_offload_spec",
-                        r["output_tokens_per_s"] / base["output_tokens_per_s"])
-            self.figure(f"link_bound.{name}_over_offload_spec_decode_only",
-                        r["decode_only_tokens_per_s"] / base["decode_only_tokens_per_s"])
-        self.figure("link_bound.trees_accepted_over_offload_spec",
-                    trees["mean_accepted_len"] / base["mean_accepted_len"])
-        for name, r in (("lb_offload_spec_q4", base), ("lb_specstream_q4", chain),
+            self.ratio(f"link_bound.{name}_over_offload_spec", r, base, "output_tokens_per_s")
+            self.ratio(f"link_bound.{name}_over_offload_spec_decode_only", r, base,
+                       "decode_only_tokens_per_s")
+        self.ratio("link_bound.trees_accepted_over_offload_spec", trees, base,
+                   "mean_accepted_len")
+        self.ratio("host_attention.speedup", host, chain, "output_tokens_per_s")
+        self.ratio("host_attention.speedup_decode_only", host, chain,
+                   "decode_only_tokens_per_s")
+        for name, r in (("lb_offload_spec_q4", base), ("lb_specstream_chain", chain),
                         ("lb_specstream_trees", trees)):
-            self._check_link_bound(name, r)
-
-    def host_attention(self) -> None:
-        s = replace(self.lb, speculative_policy="auto", num_speculative_tokens=4)
-        off = self.run("lb_specstream_auto", "specstream", "link_bound", s)
-        self._check_link_bound("lb_specstream_auto", off)
-        on = self.run("lb_specstream_host_attention", "specstream", "link_bound", s,
-                      host_attention="auto",
-                      extra={"host_attention_gbps": HOST_OVER_LINK_RATE * self.lb.link_gbps})
-        self.figure("host_attention.speedup",
-                    on["output_tokens_per_s"] / off["output_tokens_per_s"])
-        self.figure("host_attention.speedup_decode_only",
-                    on["decode_only_tokens_per_s"] / off["decode_only_tokens_per_s"])
+            self.check_link(name, r, LINK_BOUND_UTILIZATION, "link-bound")
 
     def residency(self) -> None:
         from specstream.bench.runner import workload_kv_bytes
@@ -284,32 +286,33 @@ class Guard:
             self.warnings.append("residency_fill_half: no history had to stream (floor 0)")
         self.figure("residency.fill_bytes_over_floor",
                     r["link_bytes_per_round"] / floor if floor else float("nan"))
-        self._check_link_bound("residency_fill_half", r)
 
     def balanced(self) -> None:
-        s = replace(self.bal, device_kv_bytes=self.sizes.balanced_device_kv_bytes)
+        """A fixed q = 4 in the speculative modes: under auto a busy machine's slower compute
+        turns speculation off here (mean accepted 1.01 in a loaded run), and the ratios then
+        follow the machine's load instead of the engine."""
+        s = replace(self.bal, device_kv_bytes=self.sizes.balanced_device_kv_bytes,
+                    speculative_policy="fixed", num_speculative_tokens=4)
         ss = self.run("bal_specstream", "specstream", "balanced", s)
-        bases = [("offload_spec", "offload-spec"), ("offload", "offload")]
-        if self.sizes.parallel_spec:
-            bases.append(("parallel_spec", "parallel-spec"))
-        for key, mode in bases:
+        self.check_link("bal_specstream", ss, BALANCED_UTILIZATION, "balanced")
+        for key, mode in (("offload_spec", "offload-spec"), ("offload", "offload")):
             b = self.run(f"bal_{key}", mode, "balanced", s)
-            per = b["devices"] if mode == "parallel-spec" else 1
-            suffix = "_per_device" if mode == "parallel-spec" else ""
-            self.figure(f"balanced.specstream_over_{key}_decode_only{suffix}",
-                        ss["decode_only_tokens_per_s"] * per / b["decode_only_tokens_per_s"])
+            self.ratio(f"balanced.specstream_over_{key}_decode_only", ss, b,
+                       "decode_only_tokens_per_s")
 
-    def _check_link_bound(self, name: str, r: dict[str, Any]) -> None:
+    def ratio(self, name: str, r: dict[str, Any], base: dict[str, Any], key: str) -> None:
+        self.figure(name, r[key] / base[key] if base[key] else float("nan"))
+
+    def check_link(self, name: str, r: dict[str, Any], least: float, regime: str) -> None:
         u = r["decode_only_link_utilization"]
-        if u < LINK_BOUND_UTILIZATION:
-            self.warnings.append(f"{name}: decode-only link utilisation {u:.2f} < "
-                                 f"{LINK_BOUND_UTILIZATION}: not link-bound in this repeat")
+        if u < least:
+            self.warnings.append(f"{name}: decode-only link utilisation {u:.2f} < {least}: "
+                                 f"not {regime} in this repeat")
 
 
 GROUPS: dict[str, Callable[[Guard], None]] = {
     "host_overhead": Guard.host_overhead, "link_bound": Guard.link_bound,
-    "host_attention": Guard.host_attention, "residency": Guard.residency,
-    "balanced": Guard.balanced,
+    "residency": Guard.residency, "balanced": Guard.balanced,
 }
 
 
@@ -437,7 +440,7 @@ def format_comparison(rows: list[dict[str, Any]], notes: list[str]) -> str:
 # --- two checkouts, interleaved ----------------------------------------------------------
 
 def interleave(checkouts: list[Path], labels: list[str], passes: int, size: str,
-               repeats: int | None, results: Path) -> int:
+               repeats: int | None, groups: str, results: Path) -> int:
     """A, B, A, B...: each checkout's own bench/regress.py in a process of its own (its
     package on the import path), ``passes`` times each, alternating; writes each label's
     merged report to ``results/regress-LABEL.json`` and compares the last with the first."""
@@ -449,7 +452,8 @@ def interleave(checkouts: list[Path], labels: list[str], passes: int, size: str,
                 if not script.is_file():
                     raise SystemExit(f"{script} is missing: copy this file there first")
                 out = Path(tmp) / f"{label}-{p}.json"
-                cmd = [sys.executable, str(script), "--out", str(out), "--size", size]
+                cmd = [sys.executable, str(script), "--out", str(out), "--size", size,
+                       "--groups", groups]
                 if repeats:
                     cmd += ["--repeats", str(repeats)]
                 _log(f"pass {p + 1}/{passes}: {label} ...")
@@ -513,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(labels) != len(args.interleave):
             raise SystemExit("--labels needs one label per checkout")
         return interleave([p.resolve() for p in args.interleave], labels, args.passes, size,
-                          args.repeats, args.results)
+                          args.repeats, args.groups, args.results)
     groups = tuple(g.strip() for g in args.groups.split(",") if g.strip())
     unknown = set(groups) - set(GROUPS)
     if unknown:
