@@ -10,10 +10,10 @@ set +u  # activate reads unset variables
 . "$venv/bin/activate"
 set -u
 ruff check .
-# type-check the engine core (scheduler, step contract, worker, round, KV manager, config,
-# offline API) with the flags of --strict (pyproject.toml's [[tool.mypy.overrides]])
-mypy specstream/engine specstream/kvcache specstream/config.py specstream/llm.py \
-    specstream/registry.py
+# type-check the engine (all of it), the KV manager, speculation, the config and its options
+# and the offline API with the flags of --strict (pyproject.toml's [[tool.mypy.overrides]])
+mypy specstream/engine specstream/kvcache specstream/spec specstream/config.py \
+    specstream/options.py specstream/llm.py specstream/registry.py
 set +e
 python -m pytest -q -p no:cacheprovider "$@"
 rc=$?

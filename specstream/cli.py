@@ -308,7 +308,7 @@ def _summary(llm: Any, out: Any, m: dict[str, Any], wall: float) -> str:
         lines.append(f"  error         {comp.error}")
     how = {"none": "all KV on the device", "restore": "offloaded history restored layer by layer",
            "stream": f"offloaded history streamed in {cfg.chunk_tokens}-token chunks"}
-    auto = cfg.speculative_policy == "auto"
+    auto = cfg.policy == "auto"
     spec = (f"{cfg.proposer} proposer, {'up to ' if auto else ''}{cfg.q} draft tokens per round"
             if cfg.speculative else "no speculation")
     if cfg.tree:

@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
+from specstream.options import (
+    AttentionBackend,
+    Choice,
+    DraftCache,
+    Drafting,
+    History,
+    HostAttentionMode,
+    Mode,
+    Proposer,
+    Residency,
+    SpeculativePolicy,
+)
 from specstream.sampling_params import MAX_SPECULATIVE_TOKENS
 
 
@@ -11,19 +23,19 @@ from specstream.sampling_params import MAX_SPECULATIVE_TOKENS
 class ModeSpec:
     """What one engine mode does; modes differ only in schedule, never in output."""
 
-    name: str
+    name: Mode
     # True: history past offload_after_tokens lives in the host tier.
     offload: bool
-    # How host history reaches attention: "none", "restore" (whole layer restored, then
-    # attention; the next layer prefetched meanwhile) or "stream" (chunks attended as they land).
-    history: str
+    # How host history reaches attention: not at all, whole layers restored (then attention;
+    # the next layer prefetched meanwhile), or chunks attended as they land.
+    history: History
     # Whether rounds verify draft tokens.
     speculative: bool
     # Devices the mode occupies (parallel-spec drafts on a second one).
     devices: int = 1
-    # "sequential": draft after verification; "gaps": draft overlaps the link (specstream);
-    # "parallel": draft on a second device.
-    drafting: str = "sequential"
+    # Where drafting runs: after verification, in the link's gaps (specstream), or on a
+    # second device.
+    drafting: Drafting = Drafting.SEQUENTIAL
     # True: the mode is defined by verifying drafts, so it refuses to run without a proposer
     # (without one it would silently be `offload` or `stream`).
     needs_drafts: bool = False
@@ -32,23 +44,21 @@ class ModeSpec:
     def two_groups(self) -> bool:
         """Requests form two groups that alternate: one verifies while the other drafts (in
         the link's gaps, or on the second device)."""
-        return self.drafting != "sequential"
+        return self.drafting is not Drafting.SEQUENTIAL
 
 
 MODES: dict[str, ModeSpec] = {
     m.name: m
     for m in (
-        ModeSpec("resident", offload=False, history="none", speculative=True),
-        ModeSpec("offload", offload=True, history="restore", speculative=False),
-        ModeSpec("stream", offload=True, history="stream", speculative=False),
-        ModeSpec("offload-spec", offload=True, history="restore", speculative=True,
+        ModeSpec(Mode.RESIDENT, offload=False, history=History.NONE, speculative=True),
+        ModeSpec(Mode.OFFLOAD, offload=True, history=History.RESTORE, speculative=False),
+        ModeSpec(Mode.STREAM, offload=True, history=History.STREAM, speculative=False),
+        ModeSpec(Mode.OFFLOAD_SPEC, offload=True, history=History.RESTORE, speculative=True,
                  needs_drafts=True),
-        ModeSpec("specstream", offload=True, history="stream", speculative=True, drafting="gaps",
-                 needs_drafts=True),
-        ModeSpec(
-            "parallel-spec", offload=True, history="restore", speculative=True, devices=2,
-            drafting="parallel", needs_drafts=True,
-        ),
+        ModeSpec(Mode.SPECSTREAM, offload=True, history=History.STREAM, speculative=True,
+                 drafting=Drafting.GAPS, needs_drafts=True),
+        ModeSpec(Mode.PARALLEL_SPEC, offload=True, history=History.RESTORE, speculative=True,
+                 devices=2, drafting=Drafting.PARALLEL, needs_drafts=True),
     )
 }
 
@@ -81,7 +91,7 @@ def detect_device() -> str:
 class EngineConfig:
     """Everything an engine is built from. Facts found at run time live in the engine."""
 
-    mode: str = "resident"
+    mode: Mode = Mode.RESIDENT
     # "cpu", "cuda" / "cuda:N", or "auto" (the default, as vLLM's): CUDA when this torch sees a
     # CUDA device, else cpu; resolved once, here.
     device: str = "auto"
@@ -101,16 +111,16 @@ class EngineConfig:
     # host tier holds every full block (written through once). "tail": each request keeps its
     # resident tail once past offload_after_tokens and streams everything older (the paper's
     # configuration; for ablations).
-    residency: str = "fill"
+    residency: Residency = Residency.FILL
     # Automatic prefix caching (as vLLM's): the full KV blocks of finished requests stay
     # cached in both tiers (LRU, yielding to requests), and a request whose prompt starts with
     # cached blocks copies them instead of prefilling them (kvcache/prefix_cache.py).
     enable_prefix_caching: bool = True
     # Attention over cold history on the host CPU (offloading modes): "off", or "auto" (each
     # step gives the host the share of every request's cold chunks that the measured host
-    # attention rate and link rate finish together; engine/host_attention.py).
+    # attention rate and link rate finish together; engine/exec/host_attention.py).
     # host_attention_fraction fixes that share instead (for tests and ablations).
-    host_attention: str = "off"
+    host_attention: HostAttentionMode = HostAttentionMode.OFF
     host_attention_fraction: float | None = None
     # Threads of the host attention worker (None: the cores the engine's two threads leave).
     host_attention_threads: int | None = None
@@ -131,7 +141,7 @@ class EngineConfig:
     wave_requests: int = 8
     # Attention kernels: "torch", "triton" (on CPU tensors only under TRITON_INTERPRET=1), or
     # "auto" (Triton on CUDA when it is importable, torch otherwise).
-    attention_backend: str = "auto"
+    attention_backend: AttentionBackend = AttentionBackend.AUTO
     # Emulated link bandwidth (GB/s) for the cpu backend; None = copies at memory speed.
     link_gbps: float | None = None
     max_num_seqs: int = 64
@@ -155,17 +165,17 @@ class EngineConfig:
     # to num_speculative_tokens; with speculative_topk > 1 also trees of that branching up to
     # speculative_num_draft_tokens nodes) with the most expected tokens per second, from the
     # link, verification and draft time it measures and the acceptance it sees
-    # (engine/shaping.py). None (the default): "auto" where there is a proposer.
-    speculative_policy: str | None = None
+    # (engine/policy/shaping.py). None (the default): "auto" where there is a proposer.
+    speculative_policy: SpeculativePolicy | None = None
     # Ablations: the mode's drafting strategy replaced ("sequential": draft after verifying,
     # one group; "gaps": two groups, one drafting in the other's transfers). None: the mode's.
     # `specstream` with "sequential" is streaming without gap drafting.
-    drafting: str | None = None
+    drafting: Drafting | None = None
     # "draft" (a draft model, needs draft_model) or "ngram".
-    proposer: str | None = None
+    proposer: Proposer | None = None
     draft_model: str | None = None
     # Draft KV policy: "window" (attention sinks + recent window) or "full".
-    draft_cache: str = "window"
+    draft_cache: DraftCache = DraftCache.WINDOW
     draft_window_tokens: int = 1024
     draft_sink_tokens: int = 4
     # Intra-op threads for compute on cpu (1 leaves a core to the copy thread).
@@ -174,13 +184,10 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.device == "auto":  # normalised here, the one place a frozen dataclass may set
-            object.__setattr__(self, "device", detect_device())  # its fields
+        self._normalise()
         if not isinstance(self.device, str) or not (
                 self.device == "cpu" or self.device.split(":")[0] == "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; choose from {sorted(MODES)}")
         positive = ("block_size", "host_kv_bytes", "chunk_tokens", "staging_buffers",
                     "wave_requests", "max_num_seqs", "max_prefill_tokens", "draft_window_tokens")
         for name in positive:
@@ -199,35 +206,34 @@ class EngineConfig:
             )
         if self.link_gbps is not None and self.link_gbps <= 0:
             raise ValueError(f"link_gbps must be > 0, got {self.link_gbps}")
-        if self.proposer not in (None, "draft", "ngram"):
-            raise ValueError(f"proposer must be 'draft' or 'ngram', got {self.proposer!r}")
-        if self.proposer == "draft" and not self.draft_model:
+        if self.proposer is Proposer.DRAFT and not self.draft_model:
             raise ValueError("proposer 'draft' needs draft_model (a model folder)")
-        if self.num_speculative_tokens is None:  # normalised here, the one place a frozen
-            object.__setattr__(  # dataclass may set its fields
-                self, "num_speculative_tokens",
-                DEFAULT_SPECULATIVE_TOKENS if self.proposer else 0)
         q = self.q
         if not 0 <= q <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {q}")
         self._check_speculation(q)
         self._check_tree(q)
-        if self.speculative_policy is None:
-            object.__setattr__(self, "speculative_policy",
-                               "auto" if self.speculative else "fixed")
         self._check_policy()
         self._check_host_attention()
         self._check_drafting()
-        if self.draft_cache not in ("window", "full"):
-            raise ValueError(f"draft_cache must be 'window' or 'full', got {self.draft_cache!r}")
-        if self.residency not in ("fill", "tail"):
-            raise ValueError(f"residency must be 'fill' or 'tail', got {self.residency!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', got "
-                             f"{self.attention_backend!r}")
         if self.compute_threads is not None and self.compute_threads < 1:
             raise ValueError(f"compute_threads must be >= 1, got {self.compute_threads}")
+
+    def _normalise(self) -> None:
+        """Strings given for the named options become their types (``specstream.options``)
+        and ``device="auto"`` the device this torch sees: the one place a frozen dataclass
+        sets its own fields. Defaults that depend on other fields are properties (``q``,
+        ``policy``), not filled in."""
+        if self.device == "auto":
+            object.__setattr__(self, "device", detect_device())
+        for f in fields(self):
+            kind = _CHOICES.get(f.name)
+            value = getattr(self, f.name)
+            if kind is not None and value is not None and not isinstance(value, kind):
+                if f.name == "mode" and value not in MODES:
+                    raise ValueError(f"unknown mode {value!r}; choose from {sorted(MODES)}")
+                object.__setattr__(self, f.name, kind.parse(f.name, value))
 
     def _check_speculation(self, q: int) -> None:
         """Speculation is on exactly when asked for, or the config is refused: never silently
@@ -246,7 +252,7 @@ class EngineConfig:
                 f"proposer {self.proposer!r} with num_speculative_tokens=0 would never draft; "
                 "give q >= 1 or drop the proposer")
         if spec.needs_drafts and not self.proposer:
-            plain = "stream" if spec.history == "stream" else "offload"
+            plain = "stream" if spec.history is History.STREAM else "offload"
             raise ValueError(
                 f"mode {self.mode!r} verifies drafts every round and needs a proposer "
                 f"(proposer='draft' with a draft_model, or 'ngram'); mode {plain!r} decodes "
@@ -255,7 +261,7 @@ class EngineConfig:
     def _check_drafting(self) -> None:
         if self.drafting is None:
             return
-        if self.drafting not in ("sequential", "gaps"):
+        if self.drafting is Drafting.PARALLEL:
             raise ValueError(f"drafting must be 'sequential' or 'gaps' (or None: the mode's), "
                              f"got {self.drafting!r}")
         if not self.proposer or MODES[self.mode].devices != 1:
@@ -264,8 +270,6 @@ class EngineConfig:
                              f"{self.proposer!r} has none to replace")
 
     def _check_host_attention(self) -> None:
-        if self.host_attention not in ("off", "auto"):
-            raise ValueError(f"host_attention must be 'off' or 'auto', got {self.host_attention!r}")
         f = self.host_attention_fraction
         if f is not None and not 0.0 <= f <= 1.0:
             raise ValueError(f"host_attention_fraction must be in [0, 1], got {f}")
@@ -279,14 +283,11 @@ class EngineConfig:
     @property
     def host_attends(self) -> bool:
         """Some cold history may be attended on the host this run."""
-        return self.mode_spec.offload and (self.host_attention == "auto"
+        return self.mode_spec.offload and (self.host_attention is HostAttentionMode.AUTO
                                             or bool(self.host_attention_fraction))
 
     def _check_policy(self) -> None:
-        if self.speculative_policy not in ("auto", "fixed"):
-            raise ValueError("speculative_policy must be 'auto' or 'fixed', got "
-                             f"{self.speculative_policy!r}")
-        if self.speculative_policy == "auto" and not self.proposer:
+        if self.speculative_policy is SpeculativePolicy.AUTO and not self.proposer:
             raise ValueError("speculative_policy='auto' chooses how many drafts to verify and "
                              "needs a proposer")
 
@@ -299,9 +300,9 @@ class EngineConfig:
                 raise TypeError(f"{name} must be an integer, got {value!r}")
         if not 1 <= topk <= MAX_TREE_NODES:
             raise ValueError(f"speculative_topk must be in [1, {MAX_TREE_NODES}], got {topk}")
-        if topk > 1 and self.proposer != "draft":
+        if topk > 1 and self.proposer is not Proposer.DRAFT:
             why = ("the n-gram proposer drafts one chain (the continuation of the last match)"
-                   if self.proposer == "ngram" else "there is no proposer")
+                   if self.proposer is Proposer.NGRAM else "there is no proposer")
             raise ValueError(
                 f"speculative_topk={topk} asks for token trees, which the draft model proposes "
                 f"(proposer='draft' with a draft_model); {why}: use speculative_topk=1")
@@ -334,8 +335,18 @@ class EngineConfig:
 
     @property
     def q(self) -> int:
-        """Draft tokens per round (``num_speculative_tokens`` once resolved; 0 = none)."""
-        return self.num_speculative_tokens or 0
+        """Draft tokens per round: ``num_speculative_tokens``, or without one
+        DEFAULT_SPECULATIVE_TOKENS with a proposer (0 = none)."""
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        return DEFAULT_SPECULATIVE_TOKENS if self.proposer else 0
+
+    @property
+    def policy(self) -> SpeculativePolicy:
+        """``speculative_policy``, or without one auto where there is a proposer."""
+        if self.speculative_policy is not None:
+            return self.speculative_policy
+        return SpeculativePolicy.AUTO if self.speculative else SpeculativePolicy.FIXED
 
     @property
     def tree(self) -> bool:
@@ -358,3 +369,11 @@ class EngineConfig:
     @property
     def device_budget(self) -> int:
         return self.device_kv_bytes if self.device_kv_bytes is not None else 4 * GiB
+
+
+# the named options' types, by field (``_normalise``)
+_CHOICES: dict[str, type[Choice]] = {
+    "mode": Mode, "residency": Residency, "host_attention": HostAttentionMode,
+    "attention_backend": AttentionBackend, "speculative_policy": SpeculativePolicy,
+    "drafting": Drafting, "proposer": Proposer, "draft_cache": DraftCache,
+}

@@ -165,7 +165,8 @@ class LLM:
             first = final[group[0]]
             results.append(RequestOutput(
                 first.request_id, _prompt_text(prompt), ptoks, outs, True, first.metrics,
-            ))
+                first.num_computed_tokens, prompt_logprobs=first.prompt_logprobs,
+                num_cached_tokens=first.num_cached_tokens))
         return results
 
     def chat(

@@ -202,9 +202,9 @@ def reads_per_round(engine: Any, monkeypatch: Any, counts: Any, max_steps: int =
     counted: list[int] = []
     real_run = engine.worker.run
 
-    def run(plan: Any) -> Any:
+    def run(plan: Any, *args: Any) -> Any:
         reads.clear()
-        out = real_run(plan)
+        out = real_run(plan, *args)
         if counts(plan):
             counted.append(len(reads))
         return out
@@ -217,7 +217,7 @@ def reads_per_round(engine: Any, monkeypatch: Any, counts: Any, max_steps: int =
             return _real(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, name, spy)
-    engine.worker.run = run
+    monkeypatch.setattr(engine.worker, "run", run)
     try:
         for _ in range(max_steps):
             if not engine.has_unfinished():

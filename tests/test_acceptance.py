@@ -123,7 +123,7 @@ def _recover_from_p(p: Tensor, q: Tensor) -> Tensor:
 
 @pytest.mark.parametrize("params", [DEFAULT, FILTERED], ids=["default", "filtered"])
 @pytest.mark.parametrize(
-    "attr,wrong", [("_accept_mask", _accept_all), ("_residual", _recover_from_p)],
+    "attr,wrong", [("accept_mask", _accept_all), ("residual", _recover_from_p)],
     ids=["accept-all", "recover-from-p"],
 )
 def test_wrong_sampler_is_detected(

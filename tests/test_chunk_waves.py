@@ -179,9 +179,9 @@ def test_draft_stream_drafting_enqueues_after_the_first_copies(tiny_target, tiny
     eng.store.restore_rows = restore_rows  # type: ignore[method-assign]
     real_run = eng.worker.run
 
-    def run(plan):  # type: ignore[no-untyped-def]
+    def run(plan, *args):  # type: ignore[no-untyped-def]
         events.append("step")
-        return real_run(plan)
+        return real_run(plan, *args)
 
     eng.worker.run = run  # type: ignore[method-assign]
     eng.worker.drafting = DRAFTING.get("draft-stream")(eng.tracer, backend)

@@ -16,7 +16,8 @@ import torch
 from specstream.backends import CpuBackend, CudaBackend, TransferError, make_backend
 from specstream.backends.base import TransferHandle
 from specstream.engine.contract import SeqWork
-from specstream.engine.exec.history import ChunkStream, LayerRestore
+from specstream.engine.exec.restore import LayerRestore
+from specstream.engine.exec.stream import ChunkStream
 from specstream.kvcache.storage import KVStore
 from specstream.models.config import ModelConfig
 
@@ -97,7 +98,7 @@ def test_chunk_stream_refills_a_region_only_after_its_attention(
     region = lambda ptr: (ptr - base) // region_bytes  # noqa: E731  (K plane pointers)
     source.begin(plan(((0, 1), (2, 3), (4,)), ((5, 6),)), [[0, 1]])  # type: ignore[arg-type]
     for layer in range(store.cfg.num_layers):
-        for _, k, _, _ in source.waves(layer):
+        for _, k, _, _ in source.drain(layer):
             for w in range(k.shape[0]):  # the attention queued on every region it reads
                 recording.log.append(("attend", k[w].data_ptr(), True))
     source.end()
@@ -124,7 +125,7 @@ def test_layer_restore_orders_every_copy_after_compute(recording: RecordingBacke
     source.begin(plan(((0, 1),), ((2,),)), [[0, 1]])  # type: ignore[arg-type]
     for layer in range(store.cfg.num_layers):
         keys = [0, 0]
-        for _, k, _, shape in source.waves(layer):
+        for _, k, _, shape in source.drain(layer):
             keys[int(shape.index[0])] += k.shape[1]
         assert keys == [8, 4]
     source.end()
@@ -246,5 +247,5 @@ def test_narrow_waves_keep_the_ring_full(recording: RecordingBackend) -> None:
     source.begin(plan(((0, 1), (2, 3), (4,))), [[0]])  # type: ignore[arg-type]
     assert len(source.pending) == 2
     for layer in range(store.cfg.num_layers):
-        assert sum(1 for _ in source.waves(layer)) == 3
+        assert sum(1 for _ in source.drain(layer)) == 3
     source.end()

@@ -114,12 +114,12 @@ def test_a_failed_round_fails_its_requests_and_the_engine_goes_on(
     eng = llm.engine
     real_run, calls, failed_plan = eng.worker.run, [0], []
 
-    def flaky_run(plan):
+    def flaky_run(plan, *args):
         calls[0] += 1
         if calls[0] == 3:
             failed_plan.extend(plan.request_ids)
             raise RuntimeError("injected device fault")
-        return real_run(plan)
+        return real_run(plan, *args)
 
     monkeypatch.setattr(eng.worker, "run", flaky_run)
     try:

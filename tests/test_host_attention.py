@@ -13,9 +13,9 @@ from specstream import LLM, SamplingParams
 from specstream.attention.reference import full_attention
 from specstream.attention.waves import ATTENTION, WaveShape
 from specstream.config import EngineConfig
+from specstream.engine.llm_engine import LLMEngine
 from specstream.engine.policy.round_shape import transfer_s
-from specstream.engine.sched.host_split import split_for_host
-from specstream.engine.sched.scheduler import Scheduler
+from specstream.engine.sched.host_split import by_layer, split_for_host
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -73,94 +73,95 @@ def reference(tiny_target):
     return out
 
 
+class Split:
+    """A host split given to the engine (its public seam): per step a share of every request's
+    cold blocks from ``shares``, spread over the layers by ``layers`` (default: as the engine
+    does); it counts the steps it split and records the per-layer counts it gave."""
+
+    def __init__(self, shares, layers=None):
+        self.shares, self.layers, self.calls, self.given = shares, layers, 0, []
+
+    def counts(self, seqs, blocks, est):
+        self.calls += 1
+        share = next(self.shares)
+        return [share * n for n in blocks]
+
+    def by_layer(self, blocks, num_layers):
+        out = (by_layer(blocks, num_layers) if self.layers is None
+               else self.layers(blocks, num_layers))
+        self.given.append(out)
+        return out
+
+
+def _generate(tiny_target, split=None, params=GREEDY, **kw):
+    eng = LLMEngine(tiny_target, EngineConfig(**kw), host_split=split)
+    try:
+        plist = params if isinstance(params, list) else [params] * 3
+        ids = [eng.add_request(p, s) for p, s in zip(_prompts((300, 420, 200)), plist)]
+        done = {}
+        while eng.has_unfinished():
+            done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+        return [done[i] for i in ids], eng.get_metrics(), list(eng.rounds)
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("mode", ["offload", "stream", "offload-spec", "specstream",
                                   "parallel-spec"])
 @pytest.mark.parametrize("split", [dict(host_attention_fraction=0.5),
                                    dict(host_attention="auto", link_gbps=0.01)])
 def test_greedy_output_equals_target_only_with_host_attention(tiny_target, reference, mode,
-                                                              split, monkeypatch):
+                                                              split):
     """Rounds with host work run their requests in two halves a layer apart (the device
     finishes one half's layer while the host attends the other's): checked to happen."""
-    import specstream.engine.exec.round as round_module
-
-    finish, pipelined = round_module._Halves.finish, []
-
-    def count(self, x, half, *args):
-        pipelined.append(half)
-        return finish(self, x, half, *args)
-
-    monkeypatch.setattr(round_module._Halves, "finish", count)
     spec = {} if mode in ("stream", "offload") else dict(proposer="ngram")
     # room for the three requests at once (their cold history still streams: tail residency)
-    llm = LLM(tiny_target, mode=mode, **{**OFFLOAD, "device_kv_bytes": 2_000_000}, **spec,
-              **split)
-    got = [o.outputs[0].token_ids for o in llm.generate(_prompts((300, 420, 200)), GREEDY,
-                                                        use_tqdm=False)]
-    m = llm.get_metrics()
-    llm.close()
+    got, m, rounds = _generate(tiny_target, mode=mode,
+                               **{**OFFLOAD, "device_kv_bytes": 2_000_000}, **spec, **split)
     assert got == reference
     assert m["host_attention_bytes"] > 0 and m["host_attention_bytes_per_s"] > 0
-    assert 0 < m["host_attention_share"] < 1
-    assert 1 in pipelined  # a second half ran
+    # the host took part of the cold history, the link the rest, in the same rounds
+    shared = [r for r in rounds if r.host_bytes and r.history_bytes]
+    assert shared
+    assert any(r.halves == 2 for r in shared)  # a second half ran
 
 
-def test_a_split_that_changes_every_step_stays_exact(tiny_target, reference, monkeypatch):
-    shares = itertools.cycle([0.0, 1.0, 0.5, 0.25, 0.75])
-
-    def counts(self, seqs, blocks):
-        share = next(shares)
-        return [round(share * n) for n in blocks]
-
-    monkeypatch.setattr(Scheduler, "_host_counts", counts)
-    llm = LLM(tiny_target, mode="specstream", proposer="ngram", host_attention="auto", **OFFLOAD)
-    got = [o.outputs[0].token_ids for o in llm.generate(_prompts((300, 420, 200)), GREEDY,
-                                                        use_tqdm=False)]
-    llm.close()
+def test_a_split_that_changes_every_step_stays_exact(tiny_target, reference):
+    split = Split(itertools.cycle([0.0, 1.0, 0.5, 0.25, 0.75]))
+    got, m, _ = _generate(tiny_target, split, mode="specstream", proposer="ngram",
+                          host_attention="auto", **OFFLOAD)
     assert got == reference
+    assert split.calls > 5 and m["host_attention_bytes"] > 0  # the host did attend
 
 
 @pytest.mark.parametrize("mode", ["offload", "stream", "offload-spec", "specstream",
                                   "parallel-spec"])
 @pytest.mark.parametrize("residency", ["tail", "fill"])
-def test_a_split_that_changes_from_layer_to_layer_stays_exact(tiny_target, reference,
-                                                              monkeypatch, mode, residency):
+def test_a_split_that_changes_from_layer_to_layer_stays_exact(tiny_target, reference, mode,
+                                                              residency):
     """Each layer attends a different number of each request's oldest cold blocks on the host
     (none in some layers, all in others), changing from step to step too; the rest of each
     layer streams or is restored (under fill, promoted on the way)."""
-    import specstream.engine.sched.scheduler as sched
-
     steps = itertools.count()
 
     def pattern(blocks, layers):
         n, t = int(blocks), next(steps)
         return tuple((layer * 3 + t) % (n + 1) for layer in range(layers))
 
-    monkeypatch.setattr(sched, "by_layer", pattern)
-    monkeypatch.setattr(Scheduler, "_host_counts",
-                        lambda self, seqs, blocks: [0.7 * n for n in blocks])
-    promote, promoted = Scheduler._promote, []
-
-    def count(self, seqs):  # steps whose promotions pass by a layer-by-layer split
-        out = promote(self, seqs)
-        promoted.extend(s.request_id for s in out if s.promote and s.host_layers)
-        return out
-
-    monkeypatch.setattr(Scheduler, "_promote", count)
+    split = Split(itertools.repeat(0.7), pattern)
     spec = {} if mode in ("stream", "offload") else dict(proposer="ngram")
-    llm = LLM(tiny_target, mode=mode, host_attention="auto",
-              **{**OFFLOAD, "residency": residency, "device_kv_bytes": 900_000}, **spec)
     # the short request ends first: under fill the others' shares grow (promotions)
     params = [GREEDY, GREEDY, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)]
-    got = [o.outputs[0].token_ids for o in llm.generate(_prompts((300, 420, 200)), params,
-                                                        use_tqdm=False)]
-    llm.close()
+    got, m, _ = _generate(tiny_target, split, params, mode=mode, host_attention="auto",
+                          **{**OFFLOAD, "residency": residency, "device_kv_bytes": 900_000},
+                          **spec)
     assert got == [*reference[:2], reference[2][:4]]
-    assert bool(promoted) == (residency == "fill")
+    assert any(len(set(g)) > 1 for g in split.given)  # the layers did differ
+    assert m["host_attention_bytes"] > 0
+    assert (m["promoted_blocks"] > 0) == (residency == "fill")
 
 
 def test_a_fractional_share_alternates_between_block_counts_by_layer():
-    from specstream.engine.sched.host_split import by_layer
-
     assert by_layer(3.0, 6) == (3,) * 6
     split = by_layer(2.5, 6)
     assert set(split) == {2, 3} and sum(split) == 15

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from specstream import LLM, SamplingParams
-from specstream.kvcache.manager import KVManager, OffloadPolicy
+from specstream.kvcache.manager import CopyKind, KVManager
 from specstream.kvcache.prefix_cache import PrefixCache
+from specstream.kvcache.residency import OffloadPolicy
 
 BS = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -202,12 +203,12 @@ def test_hit_copies_are_bitwise_and_go_between_the_right_tiers():
     store.device.normal_()
     store.host.normal_()
     before_d, before_h = store.device.clone(), store.host.clone()
-    store.copy_blocks((("h2h", 0, 5), ("d2h", 1, 4), ("d2d", 2, 3), ("h2h", 1, 2)))
+    h2h, d2d = CopyKind.HOST_TO_HOST, CopyKind.DEVICE_TO_DEVICE
+    store.copy_blocks(((h2h, 0, 5), (d2d, 2, 3), (h2h, 1, 2)))
     assert torch.equal(store.host[:, :, 5], before_h[:, :, 0])
-    assert torch.equal(store.host[:, :, 4], before_d[:, :, 1])
     assert torch.equal(store.device[:, :, 3], before_d[:, :, 2])
     assert torch.equal(store.host[:, :, 2], before_h[:, :, 1])
-    untouched = [0, 1, 3]
+    untouched = [0, 1, 3, 4]
     assert torch.equal(store.host[:, :, untouched], before_h[:, :, untouched])
 
 

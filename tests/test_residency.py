@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from specstream import LLM, SamplingParams
-from specstream.kvcache.manager import KVManager, OffloadPolicy, residency_targets
+from specstream.kvcache.manager import KVManager
+from specstream.kvcache.residency import OffloadPolicy, residency_targets
 
 OFFLOAD = dict(block_size=16, chunk_tokens=64, resident_tail_tokens=32, offload_after_tokens=64,
                max_prefill_tokens=128)
@@ -86,8 +87,8 @@ def test_promotion_widens_the_window_or_gives_its_blocks_back():
     kv.complete_promotion("a")
     seq = kv.seqs["a"]
     assert kv.host_tokens("a") == 32 and seq.device_blocks[:3] == blocks
-    # tokens map through the widened window
-    assert kv.device_slots("a", 32, 1) == [(blocks[0], 0)]
+    # tokens map through the widened window: token 32 is the first of the first promoted block
+    assert seq.first * 16 == 32 and seq.device_blocks[0] == blocks[0]
     used = kv.device.num_used
     kv.plan_promotion("a", 1)
     kv.complete_promotion("a", landed=False)  # a failed step: the blocks go back

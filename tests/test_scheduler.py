@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from specstream.config import EngineConfig
 from specstream.engine.contract import StepOutput, StepPlan
+from specstream.engine.policy.feedback import Estimates
 from specstream.engine.request import Request
 from specstream.engine.sched.scheduler import Scheduler
-from specstream.kvcache.manager import KVManager, OffloadPolicy
+from specstream.kvcache.manager import KVManager
+from specstream.kvcache.residency import OffloadPolicy
 from specstream.sampling_params import SamplingParams
 
 EOS = 2
@@ -217,11 +219,9 @@ def test_a_prefill_step_verifies_everyone_only_where_its_chunk_hides_their_histo
         return sched
 
     slow = ready()
-    slow.note_step(link_bps=1e3, prefill_compute_s=0.01)  # history: seconds; chunk: 10 ms
-    plan = slow.schedule()
+    plan = slow.schedule(Estimates(link_bps=1e3, prefill_chunk_s=0.01))  # history: s; chunk: ms
     assert "p" in {s.request_id for s in plan.seqs}
     assert len({s.request_id for s in plan.seqs} - {"p"}) == 1  # one group
     fast = ready()
-    fast.note_step(link_bps=1e12, prefill_compute_s=0.01)
-    plan = fast.schedule()
+    plan = fast.schedule(Estimates(link_bps=1e12, prefill_chunk_s=0.01))
     assert {s.request_id for s in plan.seqs} == {"d0", "d1", "p"}

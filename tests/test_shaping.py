@@ -8,11 +8,33 @@ import torch
 
 from specstream import LLM, SamplingParams
 from specstream.config import EngineConfig
+from specstream.engine.llm_engine import LLMEngine
 from specstream.engine.policy.round_shape import Shape
 from specstream.engine.policy.shaping import RoundShaper
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
+
+
+class Scripted(RoundShaper):
+    """The round-shape policy as the engine's public seam takes it: shapes (and whether each
+    is a probe) from a script, then the last shape; what it handed out is recorded."""
+
+    def __init__(self, max_depth, drafting, max_topk=1, max_nodes=0, script=(), probes=()):
+        super().__init__(max_depth, drafting, max_topk, max_nodes)
+        self.script, self.probes = list(script), list(probes)
+        self.given: list[Shape] = []
+        self.probes_given: list[bool] = []
+
+    def shape(self, num_requests, catch_up=0.0):
+        k = len(self.given)
+        pick = self.script[min(k, len(self.script) - 1)] if self.script else Shape(0)
+        if k >= len(self.script) and self.script:
+            pick = Shape(self.max_depth)
+        self.probing = self.probes[k] if k < len(self.probes) else False
+        self.given.append(pick)
+        self.probes_given.append(self.probing)
+        return pick
 
 def _prompts(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -46,7 +68,7 @@ def test_shaper_goes_long_when_link_bound_and_off_when_drafting_does_not_pay():
 def test_auto_policy_is_validated():
     with pytest.raises(ValueError, match="needs a proposer"):
         EngineConfig(mode="resident", speculative_policy="auto")
-    with pytest.raises(ValueError, match="'auto' or 'fixed'"):
+    with pytest.raises(ValueError, match="'auto', 'fixed'"):
         EngineConfig(mode="resident", proposer="ngram", speculative_policy="sometimes")
 
 
@@ -118,24 +140,27 @@ def test_auto_gives_sampled_requests_chains_when_it_picks_a_tree() -> None:
     from specstream.engine.policy.round_shape import Shape
     from specstream.engine.request import Request
     from specstream.engine.sched.scheduler import Scheduler
-    from specstream.kvcache.manager import KVManager, OffloadPolicy
+    from specstream.kvcache.manager import KVManager
+    from specstream.kvcache.residency import OffloadPolicy
 
     config = EngineConfig(mode="resident", proposer="draft", draft_model="unused",
                           num_speculative_tokens=4, speculative_topk=4,
                           speculative_num_draft_tokens=16, speculative_policy="auto",
                           block_size=16)
-    sched = Scheduler(config, KVManager(16, 256, 0, OffloadPolicy(offload=False)))
-    sched._shape = Shape(4, topk=4, nodes=16)
-    greedy = sched._draft(Request("g", [1, 2, 3], SamplingParams(temperature=0)), False)
-    sampled = sched._draft(Request("s", [1, 2, 3], SamplingParams(temperature=0.8, seed=1)),
-                           False)
+    sched = Scheduler(config, KVManager(16, 256, 0, OffloadPolicy(offload=False)),
+                      shaper=Scripted(4, "sequential", 4, 16, script=[Shape(4, 4, 16)]))
+    sched.add(Request("g", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8)))
+    sched.add(Request("s", [1, 2, 3], SamplingParams(temperature=0.8, seed=1, max_tokens=8)))
+    sched.schedule()  # the prefills (the policy's shape for the round after them)
+    greedy = sched.drafts.draft(sched.requests["g"], after_verify=False)
+    sampled = sched.drafts.draft(sched.requests["s"], after_verify=False)
     assert (greedy.topk, greedy.max_nodes) == (4, 16)
     assert (sampled.topk, sampled.max_nodes, sampled.num_tokens) == (1, None, 4)
 
 
 @pytest.mark.parametrize("mode", ["offload-spec", "specstream"])
 def test_shapes_that_stop_drafting_never_stall_a_request_and_probes_draft_for_one(
-        tiny_target, mode):
+        tiny_target, mode, monkeypatch):
     """A request waiting for drafts the next shape does not make verifies without them (in
     the two-group mode it used to wait until a shape drafted again); a probe drafts for one
     request of the step only."""
@@ -144,31 +169,32 @@ def test_shapes_that_stop_drafting_never_stall_a_request_and_probes_draft_for_on
     ref_llm = LLM(tiny_target, mode="resident", device_kv_bytes=4_000_000, block_size=16)
     ref = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, params, use_tqdm=False)]
     ref_llm.close()
-    llm = LLM(tiny_target, mode=mode, proposer="ngram", num_speculative_tokens=4,
-              speculative_policy="auto", block_size=16, chunk_tokens=64,
-              device_kv_bytes=2_000_000, resident_tail_tokens=32, max_prefill_tokens=1024)
-    sched = llm.engine.scheduler
-    script = iter([(4, False)] * 12 + [(0, False)] * 16 + [(2, True)] * 6)
-    shapes: list[tuple[int, bool]] = []
-
-    def scripted(num_requests: int, catch_up: float = 0.0) -> Shape:
-        depth, probing = next(script, (4, False))
-        sched.shaper.probing = probing
-        shapes.append((depth, probing))
-        return Shape(depth)
-
-    sched.shaper.shape = scripted
+    script = [Shape(4)] * 12 + [Shape(0)] * 16 + [Shape(2)] * 6
+    probing = [False] * 28 + [True] * 6
+    shaper = Scripted(4, "gaps" if mode == "specstream" else "sequential", script=script,
+                      probes=probing)
+    config = EngineConfig(mode=mode, proposer="ngram", num_speculative_tokens=4,
+                          speculative_policy="auto", block_size=16, chunk_tokens=64,
+                          device_kv_bytes=2_000_000, resident_tail_tokens=32,
+                          max_prefill_tokens=1024)
+    eng = LLMEngine(tiny_target, config, shaper=shaper)
     plans = []
-    schedule = sched.schedule
+    schedule = eng.scheduler.schedule
 
-    def spy():
-        plans.append(schedule())
+    def spy(*args):  # type: ignore[no-untyped-def]
+        plans.append(schedule(*args))
         return plans[-1]
 
-    sched.schedule = spy
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == ref
-    llm.close()
+    monkeypatch.setattr(eng.scheduler, "schedule", spy)
+    try:
+        ids = [eng.add_request(p, params) for p in prompts]
+        done = {}
+        while eng.has_unfinished():
+            done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+    finally:
+        eng.close()
+    assert [done[i] for i in ids] == ref
+    shapes = list(zip([s.depth for s in shaper.given], shaper.probes_given))
     assert len(plans) == len(shapes) > 34
     # from the last shape that drafted until the stretch without drafts ends, every decoding
     # request is verified at least every other step (the two groups alternate)
@@ -243,7 +269,7 @@ def test_seeded_sampling_keeps_its_chain_whatever_the_policy_picks(tiny_target, 
                                                              use_tqdm=False)]
     fixed.close()
     auto = LLM(tiny_target, **kw)
-    assert auto.engine.config.speculative_policy == "auto"  # the default with a proposer
+    assert auto.engine.config.policy == "auto"  # the default with a proposer
     sched = auto.engine.scheduler
     depths = iter([0, 3, 1, 2, 0, 0, 3] * 20)
 

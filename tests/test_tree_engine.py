@@ -1,7 +1,7 @@
 """Token trees verified by the engine: options, the scheduler's contract, and greedy output equal
 to target-only decoding in every mode.
 
-The trees come from a fake proposer registered here (no draft model): random top-k trees, and
+The trees come from a fake proposer (tree_oracle.py; no draft model): random top-k trees, and
 where the target's greedy continuation of a request is known (computed first, target only), the
 true next token sits at a random sibling slot of the true path's nodes, so paths of depth >= 2
 through non-first children are accepted and their KV must be compacted.
@@ -9,137 +9,33 @@ through non-first children are accepted and their KV must be compacted.
 
 from __future__ import annotations
 
-import random
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import reads_per_round
+from tree_oracle import MODES, OracleTreeProposer
 
 from specstream.attention.triton_wave import triton_available
 from specstream.cli import build_parser, engine_kwargs
 from specstream.config import EngineConfig
 from specstream.engine.contract import SeqWork, StepOutput
-from specstream.engine.exec.worker import Worker
+from specstream.engine.exec.step_kv import StepKV
+from specstream.engine.exec.verify import Verifier
 from specstream.engine.llm_engine import LLMEngine
 from specstream.engine.request import Request
 from specstream.engine.sched.scheduler import Scheduler
 from specstream.engine.stats import EngineStats
-from specstream.kvcache.manager import KVManager, OffloadPolicy
+from specstream.kvcache.manager import KVManager
+from specstream.kvcache.residency import OffloadPolicy
 from specstream.sampling_params import SamplingParams
-from specstream.spec.proposer import Proposal, Proposer, ProposeRequest, register_proposer
+from specstream.spec.proposer import Proposal, Proposer, ProposeRequest
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-OFFLOAD = dict(block_size=16, chunk_tokens=64, resident_tail_tokens=32, offload_after_tokens=64,
-               max_prefill_tokens=64)
 # depth 4, three children per expanded node, 12 nodes: wider than the chain and deeper than 1
 TREE = dict(proposer="draft", draft_model="unused: the engine gets the fake proposer",
             num_speculative_tokens=4, speculative_topk=3, speculative_num_draft_tokens=12,
             speculative_policy="fixed")
-MODES = {
-    "resident": dict(mode="resident", device_kv_bytes=16 << 20, max_prefill_tokens=64),
-    "offload-spec/fill": dict(mode="offload-spec", device_kv_bytes=1_600_000, **OFFLOAD),
-    "offload-spec/tail": dict(mode="offload-spec", device_kv_bytes=1_600_000, residency="tail",
-                              **OFFLOAD),
-    "specstream/fill": dict(mode="specstream", device_kv_bytes=1_000_000, link_gbps=2.0,
-                            **OFFLOAD),
-    "specstream/tail": dict(mode="specstream", device_kv_bytes=1_000_000, link_gbps=2.0,
-                            residency="tail", **OFFLOAD),
-    "parallel-spec/fill": dict(mode="parallel-spec", device_kv_bytes=1_600_000, **OFFLOAD),
-    "parallel-spec/tail": dict(mode="parallel-spec", device_kv_bytes=1_600_000,
-                               residency="tail", **OFFLOAD),
-    # half of the cold history attended on the host (tree queries in the host's partials),
-    # rounds in two halves a layer apart
-    "specstream/tail/host": dict(mode="specstream", device_kv_bytes=1_000_000, link_gbps=2.0,
-                                 residency="tail", host_attention_fraction=0.5, **OFFLOAD),
-    "offload-spec/fill/host": dict(mode="offload-spec", device_kv_bytes=1_600_000,
-                                   host_attention_fraction=0.5, **OFFLOAD),
-}
-
-
-@register_proposer("test-oracle-tree")
-class OracleTreeProposer(Proposer):
-    """Top-k trees of random tokens, level by level under the node budget, deterministic in the
-    request's tokens and ``seed``. Where ``references`` (prompt + target greedy output) continue
-    the request, each node on the true path has the true next token among its children with
-    probability ``hit``, at a random slot; the true nodes and ``expand`` others of a level are
-    expanded. With probability ``chain_share`` (or topk 1) a chain instead (parents None).
-    ``with_probs``: sampled requests' drafts come with draft distributions (plumbing only: they
-    are not what the tokens were drawn from).
-
-    Checks the engine's side of the contract: every rollback after a tree keeps exactly the
-    tokens up to the root (the request's tokens when it drafted)."""
-
-    def __init__(self, references: Sequence[Sequence[int]] = (), vocab: int = 128,
-                 seed: int = 0, hit: float = 0.8, chain_share: float = 0.0,
-                 expand: int = 1, with_probs: bool = False) -> None:
-        self.full = [list(r) for r in references]
-        self.vocab, self.seed, self.hit, self.with_probs = vocab, seed, hit, with_probs
-        self.chain_share, self.expand = chain_share, expand
-        self.pending: dict[str, int] = {}  # request id -> its token count when it drafted a tree
-        self.rollbacks: list[tuple[int, int]] = []  # (kept, tokens up to the root)
-        self.trees = self.chains = 0
-
-    def _truth(self, tokens: list[int]) -> list[int]:
-        n = len(tokens)
-        for full in self.full:
-            if len(full) > n and full[:n] == tokens:
-                return full[n:]
-        return []
-
-    def propose(self, requests: Sequence[ProposeRequest]) -> list[Proposal]:
-        out = [self._one(r) for r in requests]
-        for r, prop in zip(requests, out):
-            if self.with_probs and not r.params.greedy and prop.token_ids:
-                ids = torch.tensor(prop.token_ids)
-                prop.probs = 0.5 * torch.nn.functional.one_hot(ids, self.vocab).float()
-                prop.probs += 0.5 / self.vocab
-        return out
-
-    def _one(self, r: ProposeRequest) -> Proposal:
-        tokens = list(r.token_ids)
-        rng = random.Random(f"{self.seed}/{len(tokens)}/{tokens[-1]}/{sum(tokens)}")
-        truth = self._truth(tokens)
-        if r.topk == 1 or rng.random() < self.chain_share:
-            self.chains += 1
-            self.pending.pop(r.request_id, None)
-            return Proposal([truth[d] if d < len(truth) and rng.random() < self.hit
-                             else rng.randrange(3, self.vocab) for d in range(r.num_tokens)])
-        budget = r.max_nodes or r.num_tokens
-        toks: list[int] = []
-        parents: list[int] = []
-        true_node = {-1: True}
-        level = [-1]
-        for d in range(r.num_tokens):
-            nxt = []
-            for par in level:
-                want = truth[d] if true_node[par] and d < len(truth) else None
-                kids = rng.sample([t for t in range(3, self.vocab) if t != want], r.topk)
-                if want is not None and rng.random() < self.hit:
-                    kids[rng.randrange(r.topk)] = want
-                for t in kids:
-                    if len(toks) == budget:
-                        break
-                    true_node[len(toks)] = t == want
-                    nxt.append(len(toks))
-                    toks.append(t)
-                    parents.append(par)
-            good = [i for i in nxt if true_node[i]]
-            others = [i for i in nxt if not true_node[i]]
-            level = good + rng.sample(others, min(self.expand, len(others)))
-            if len(toks) == budget or not level:
-                break
-        self.trees += 1
-        self.pending[r.request_id] = len(tokens)
-        return Proposal(toks, None, parents)
-
-    def rollback(self, request_id: str, num_tokens_kept: int) -> None:
-        root = self.pending.pop(request_id, None)
-        if root is not None:
-            self.rollbacks.append((num_tokens_kept, root))
-
-
 def _prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 128, (n,), generator=g).tolist() for n in lengths]
@@ -236,7 +132,8 @@ def test_scheduler_hands_trees_to_the_round_and_commits_the_path() -> None:
                                    speculative_policy="fixed"),
                       KVManager(16, 256, 0, OffloadPolicy(offload=False)))
     short = Request("s", list(range(3, 23)), SamplingParams(max_tokens=36))
-    assert sched.reservation(short).device_blocks == chain.reservation(short).device_blocks + 1
+    assert (sched.admission.reservation(short).device_blocks
+            == chain.admission.reservation(short).device_blocks + 1)
     sched.add(Request("a", list(range(3, 23)), SamplingParams(max_tokens=40)))
     plan = sched.schedule()  # the prefill; its drafts are asked for right after it
     (d,) = plan.drafts
@@ -247,7 +144,7 @@ def test_scheduler_hands_trees_to_the_round_and_commits_the_path() -> None:
     plan = sched.schedule()
     (s,) = plan.seqs
     assert s.token_ids == (5, *tree) and s.num_drafts == 5 and s.parents == tuple(parents)
-    assert s.is_tree and s.depths == (1, 1, 2, 2, 3)
+    assert s.is_tree and s.tree.depths == (1, 1, 2, 2, 3)
     assert s.positions() == [20, 21, 21, 22, 22, 23]  # the root's plus the depth
     # the worker accepted 8 -> 10 -> 11 and a bonus token: 3 drafts + 1 kept
     sched.update(plan, StepOutput(new_tokens={"a": [8, 10, 11, 6]}))
@@ -273,7 +170,7 @@ def test_a_tree_never_runs_deeper_than_the_room() -> None:
 
 def test_seq_work_chain_shaped_tree_is_a_chain() -> None:
     s = SeqWork("a", (1, 2, 3), 10, 2, False, True, 0, (0,), (), parents=(-1, 0))
-    assert not s.is_tree and s.positions() == [10, 11, 12] and s.depths == (1, 2)
+    assert not s.is_tree and s.positions() == [10, 11, 12] and s.tree.depths == (1, 2)
 
 
 def test_accepted_per_pos_counts_by_depth() -> None:
@@ -286,17 +183,7 @@ def test_accepted_per_pos_counts_by_depth() -> None:
 
 # ---- the engine: exact output in every mode ----------------------------------------------
 @pytest.mark.parametrize("setting", list(MODES))
-def test_tree_greedy_output_equals_target_only(tiny_target, prompts, reference, setting,
-                                               monkeypatch):
-    import specstream.engine.exec.round as round_module
-
-    finish, halves = round_module._Halves.finish, []
-
-    def count(self, x, half, *args):  # type: ignore[no-untyped-def]
-        halves.append(half)
-        return finish(self, x, half, *args)
-
-    monkeypatch.setattr(round_module._Halves, "finish", count)
+def test_tree_greedy_output_equals_target_only(tiny_target, prompts, reference, setting):
     oracle = _oracle(prompts, reference, chain_share=0.2)  # chains and trees in one round
     tokens, m = _run(tiny_target, prompts, GREEDY, oracle, **MODES[setting], **TREE)
     assert tokens == reference
@@ -310,24 +197,16 @@ def test_tree_greedy_output_equals_target_only(tiny_target, prompts, reference, 
         assert m["link_bytes_h2d"] > 0  # history really crossed the link
         assert m["device_kv_peak_bytes"] <= MODES[setting]["device_kv_bytes"]
     if setting.endswith("/host"):
-        assert m["host_attention_bytes"] > 0 and 1 in halves  # a second half ran
+        assert m["host_attention_bytes"] > 0 and m["halved_rounds"] > 0  # in two halves
 
 
 def test_every_piece_of_the_tree_round_is_needed(tiny_target, prompts, reference, monkeypatch):
     """The compaction runs (paths through non-first children), and without it, or with the
     tokens' positions taken as consecutive, the output is not the target's."""
-    moved: list[int] = []
-    compact = Worker._compact
-
-    def spy(self, moves):  # type: ignore[no-untyped-def]
-        moved.append(len(moves))
-        compact(self, moves)
-
     kw = dict(MODES["specstream/fill"], **TREE)
-    monkeypatch.setattr(Worker, "_compact", spy)
-    tokens, _ = _run(tiny_target, prompts, GREEDY, _oracle(prompts, reference), **kw)
-    assert tokens == reference and sum(moved) > 0
-    monkeypatch.setattr(Worker, "_compact", lambda self, moves: None)
+    tokens, m = _run(tiny_target, prompts, GREEDY, _oracle(prompts, reference), **kw)
+    assert tokens == reference and m["tree_kv_moves"] > 0
+    monkeypatch.setattr(Verifier, "compact", lambda self, moves: None)
     tokens, _ = _run(tiny_target, prompts, GREEDY, _oracle(prompts, reference), **kw)
     assert tokens != reference
     monkeypatch.undo()
@@ -341,22 +220,18 @@ def test_every_piece_of_the_tree_round_is_needed(tiny_target, prompts, reference
 def test_a_fresh_prompt_shares_the_bucket_of_a_tree(tiny_target, monkeypatch):
     """A prompt that arrives while a tree is verified prefills in the tree's bucket with no
     committed keys: it sits out the committed wave, and both outputs are the target's."""
-    from specstream.engine.exec import step_kv as attention
-
     ps = _prompts((40, 12), seed=3)
     ref, _ = _run(tiny_target, ps, GREEDY, mode="resident", device_kv_bytes=16 << 20)
-    subsets: list[int] = []
-    init = attention.StepKV.__init__
-
-    def spy(self, plan, store, **kw):  # type: ignore[no-untyped-def]
-        init(self, plan, store, **kw)
-        subsets.extend(1 for b in self.buckets
-                       if b.new_shape is not None and b.tail_shape is not None
-                       and b.tail_shape.index is not None)
-
-    monkeypatch.setattr(attention.StepKV, "__init__", spy)
     eng = LLMEngine(tiny_target, EngineConfig(mode="resident", device_kv_bytes=16 << 20, **TREE),
                     proposer=_oracle(ps, ref))
+    plans = []
+    schedule = eng.scheduler.schedule
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        plans.append(schedule(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(eng.scheduler, "schedule", spy)
     try:
         a = eng.add_request(ps[0], GREEDY)
         for _ in range(3):
@@ -365,6 +240,11 @@ def test_a_fresh_prompt_shares_the_bucket_of_a_tree(tiny_target, monkeypatch):
         done = {}
         while eng.has_unfinished():
             done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+        # the round's buckets as it built them: a tree's bucket with a request that has no
+        # committed keys (the fresh prompt), which sits out the committed wave
+        subsets = [b for p in plans for b in StepKV(p, eng.store).buckets
+                   if b.new_shape is not None and b.tail_shape is not None
+                   and b.tail_shape.index is not None]
     finally:
         eng.close()
     assert [done[a], done[b]] == ref
@@ -419,8 +299,8 @@ def test_a_tree_decode_round_reads_back_once(tiny_target, prompts, reference, mo
     for p in prompts[:4]:
         eng.add_request(p, GREEDY)
     try:
-        counted = reads_per_round(eng, monkeypatch, lambda plan: plan.seqs and not
-                                  plan.has_prefill and any(s.is_tree for s in plan.seqs))
+        counted = reads_per_round(eng, monkeypatch, lambda plan: plan.seqs and not any(
+            s.prefill for s in plan.seqs) and any(s.is_tree for s in plan.seqs))
     finally:
         eng.close()
     assert len(counted) >= 3

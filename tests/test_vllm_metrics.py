@@ -124,7 +124,7 @@ def stub_engine(max_model_len: int = 512) -> AsyncEngine:
     """An AsyncEngine whose engine is a stand-in: only ``_dispatch`` and ``_abort`` run."""
     engine = SimpleNamespace(max_model_len=max_model_len, scheduler=SimpleNamespace(requests={}),
                              abort_request=lambda rid: None)
-    llm = SimpleNamespace(engine=engine, config=SimpleNamespace(num_speculative_tokens=3))
+    llm = SimpleNamespace(engine=engine, config=SimpleNamespace(q=3))
     return AsyncEngine(llm)  # type: ignore[arg-type]
 
 

@@ -219,6 +219,30 @@ class TransferBackend(ABC):
     def alloc_device(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """Uninitialised tensor in device memory."""
 
+    # -- compute hand-offs ----------------------------------------------------------------------
+    def queries_to_host(self, q: Tensor) -> tuple[Tensor, Callable[[], None]]:
+        """Query rows for a host worker: fp32 on the host, and what the worker calls before it
+        reads them (on a GPU the copy is queued on the compute stream without blocking it)."""
+        return q.detach().float(), lambda: None
+
+    def results_from_host(self, t: Tensor) -> Tensor:
+        """A host worker's result, ready to go back to the device without blocking (pinned
+        on a GPU)."""
+        return t
+
+    def to_device_async(self, t: Tensor, device: torch.device) -> Tensor:
+        """A host tensor on the device, without making the host wait."""
+        return t.to(device, non_blocking=True)
+
+    @contextmanager
+    def draft_stream(self) -> Iterator[object]:
+        """Where draft work is queued while verification runs (CUDA: the low-priority draft
+        stream; here: the caller's own)."""
+        yield None
+
+    def join(self, stream: object) -> None:  # noqa: B027
+        """Make the caller's stream wait for work queued on ``stream`` (no host sync)."""
+
     # -- lifecycle ------------------------------------------------------------------------------
     @abstractmethod
     def synchronize(self) -> None:

@@ -39,7 +39,7 @@ Nothing here touches CUDA at import time; constructing the backend without CUDA 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -128,6 +128,22 @@ class CudaBackend(TransferBackend):
         with self._side_stream(self._verify_stream) as stream:
             yield stream
 
+    def queries_to_host(self, q: Tensor) -> tuple[Tensor, Callable[[], None]]:
+        """Into pinned memory on the compute stream, without blocking it; the worker waits on
+        the copy's event, not the caller."""
+        q_host = torch.empty(q.shape, dtype=torch.float32, pin_memory=True)
+        q_host.copy_(q.detach(), non_blocking=True)
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record()
+        return q_host, ready.synchronize
+
+    def results_from_host(self, t: Tensor) -> Tensor:
+        return t.pin_memory()
+
+    def to_device_async(self, t: Tensor, device: torch.device) -> Tensor:
+        """From pinned memory, so the copy does not synchronise the stream."""
+        return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+
     @contextmanager
     def draft_stream(self) -> Iterator[torch.cuda.Stream]:
         """Run the enclosed work (drafting) on the low-priority draft stream.
@@ -146,8 +162,9 @@ class CudaBackend(TransferBackend):
         with torch.cuda.stream(stream):
             yield stream
 
-    def join(self, stream: torch.cuda.Stream) -> None:
+    def join(self, stream: object) -> None:
         """Make the current stream wait for all work queued on `stream` (no host sync)."""
+        assert isinstance(stream, torch.cuda.Stream)
         torch.cuda.current_stream(self._device).wait_stream(stream)
 
     # -- copies ---------------------------------------------------------------------------------
@@ -236,10 +253,6 @@ class CudaBackend(TransferBackend):
     def synchronize(self) -> None:
         self.h2d_stream.synchronize()
         self.d2h_stream.synchronize()
-
-    def synchronize_all(self) -> None:
-        """Block until copies, verification and drafting queued so far have finished."""
-        torch.cuda.synchronize(self._device)
 
     def close(self) -> None:
         if self._closed:

@@ -44,7 +44,7 @@ class BenchSettings:
     # waves: four chunks in flight, not the reference's two: on the CPU backend a draft step
     # holds the one compute thread for ~6 ms, while one 2 MB chunk of the embedded target
     # crosses the 1 GB/s link in 2 ms; four keep the link busy through a draft step (see
-    # engine/overlap.py). On a GPU the draft runs on its own stream instead.
+    # engine/exec/gap_filler.py). On a GPU the draft runs on its own stream instead.
     chunk_tokens: int = 2048
     staging_buffers: int = 2
     wave_requests: int = 2

@@ -8,9 +8,11 @@ request id; the scheduler never touches a tensor and the worker never touches a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from specstream.engine.request import Request, TokenLogprobs
+from specstream.kvcache.manager import BlockCopy
 from specstream.sampling_params import SamplingParams
+from specstream.spec.token_tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -96,14 +98,10 @@ class SeqWork:
         return any(p != i - 1 for i, p in enumerate(self.parents))
 
     @property
-    def depths(self) -> tuple[int, ...]:
-        """Depth below the root of each draft (1 .. num_drafts for a chain)."""
-        if not self.parents:
-            return tuple(range(1, self.num_drafts + 1))
-        d: list[int] = []
-        for p in self.parents:
-            d.append(1 if p < 0 else d[p] + 1)
-        return tuple(d)
+    def tree(self) -> DraftTree:
+        """The drafts as a token tree (a chain: one branch)."""
+        nodes = self.token_ids[len(self.token_ids) - self.num_drafts :]
+        return DraftTree(nodes, self.parents) if self.parents else DraftTree.chain(nodes)
 
     def positions(self) -> list[int]:
         """Absolute position of each input token: consecutive, except a tree's nodes, which
@@ -112,7 +110,7 @@ class SeqWork:
             return list(range(self.start_pos, self.start_pos + len(self.token_ids)))
         root = self.start_pos + len(self.token_ids) - self.num_drafts - 1
         return (list(range(self.start_pos, root + 1))
-                + [root + d for d in self.depths])
+                + [root + d for d in self.tree.depths])
 
 
 @dataclass(frozen=True)
@@ -165,17 +163,13 @@ class StepPlan:
     # tail past its budget; still the head of the request's device tail (attended there) until
     # the update sees them landed.
     writebacks: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
-    # Prefix-cache hits of requests admitted for this step: block copies (kind "h2h", "d2h" or
-    # "d2d", source block, destination block) made before anything else of the step.
-    cache_copies: tuple[tuple[str, int, int], ...] = ()
+    # Prefix-cache hits of requests admitted for this step: block copies (kind, source block,
+    # destination block) made before anything else of the step.
+    cache_copies: tuple[BlockCopy, ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
-
-    @property
-    def has_prefill(self) -> bool:
-        return any(s.prefill for s in self.seqs)
 
     @property
     def request_ids(self) -> tuple[str, ...]:
@@ -183,6 +177,16 @@ class StepPlan:
         return tuple(dict.fromkeys([s.request_id for s in self.seqs]
                                    + [d.request_id for d in self.drafts]
                                    + [rid for rid, _ in self.writebacks]))
+
+
+class TokenLogprobs(NamedTuple):
+    """The target's raw log-probabilities at one position: the emitted (or prompt) token's
+    and the most likely tokens' (SamplingParams.logprobs of them)."""
+
+    token: int
+    logprob: float
+    rank: int  # 1 = the most likely
+    top: tuple[tuple[int, float], ...]  # (token, logprob), most likely first
 
 
 @dataclass
@@ -210,6 +214,9 @@ class StepOutput:
     wall_s: float = 0.0
     wait_s: float = 0.0
     draft_s: float = 0.0
+    # The round ran in this many halves a layer apart (host attention over two buckets or
+    # more; see exec/round.py).
+    halves: int = 1
 
     @classmethod
     def failed(cls, plan: StepPlan, message: str, request_id: str | None = None) -> StepOutput:
@@ -222,15 +229,35 @@ class StepOutput:
 Writebacks = dict[str, list[tuple[int, int]]]  # request id -> (device block, host block) pairs
 
 
-@dataclass
-class StepUpdate:
-    """What ``Scheduler.update`` did with a step's output."""
+def is_decode_step(plan: StepPlan, output: StepOutput) -> bool:
+    """A step that verifies or drafts anything (one that only drafts, while its group has no
+    drafts to verify, included); a step that only prefills is not."""
+    return bool(output.drafts) or any(s.sample and not s.prefill for s in plan.seqs)
 
-    # Requests the step worked on, in plan order (finished ones included, reported once).
-    touched: list[Request] = field(default_factory=list)
-    # Tail blocks that a prefill chunk pushed past the budget: copied right after the step,
-    # then ``Scheduler.complete_writebacks`` frees them (the next chunk needs the room; decode
-    # rounds' write-backs ride along the next step instead, see StepPlan.writebacks).
-    writebacks: Writebacks = field(default_factory=dict)
-    # Tokens appended to outputs (those past a stop are dropped).
-    num_appended: int = 0
+
+@dataclass(frozen=True)
+class StepMeasures:
+    """What one step measured, as the engine (or the simulator's replay) saw it: the input of
+    ``policy.feedback.RoundFeedback`` and of the round records. Seconds and bytes."""
+
+    wall_s: float  # the whole step
+    wait_s: float  # blocked on the link (history not yet landed)
+    draft_s: float  # drafting inside the step
+    link_busy_s: float  # the link busy (both directions, overlaps merged)
+    link_bytes: int  # bytes it moved
+    history_bytes: int  # host-to-device bytes of history (restored or streamed)
+    prefill_tokens: int  # prompt tokens the step prefilled
+    decode: bool  # ``is_decode_step``
+    host_attends: bool = False  # host attention is on for this engine
+    host_bytes: int = 0  # cold history the host attended (all layers)
+    host_busy_s: float = 0.0  # the host workers' time on it
+    host_wait_s: float = 0.0  # time the round waited for the host's partials
+    host_serial_s: float = 0.0  # device time of the round while the host had no job
+    # each host job: (query positions per request, seconds, KV bytes)
+    host_jobs: tuple[tuple[int, float, int], ...] = ()
+    halves: int = 1  # StepOutput.halves
+
+    @property
+    def compute_s(self) -> float:
+        """The step's time not blocked on the link."""
+        return self.wall_s - self.wait_s

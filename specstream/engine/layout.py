@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from specstream.config import EngineConfig, default_offload_after
 from specstream.models.config import ModelConfig
+from specstream.options import History
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,6 @@ class RuntimeLayout:
     # 0 otherwise (`restore` modes hold their two restored layers in pool blocks that each
     # admitted request reserves its share of).
     history_reserve_bytes: int
-    # `restore` modes: the model's layer count, for that share; None otherwise.
-    restore_layers: int | None
     # History past this many tokens moves to the host (resolved against the model's context).
     offload_after_tokens: int
     # The model's context and its end-of-sequence token ids.
@@ -42,7 +41,7 @@ class RuntimeLayout:
         block_bytes = config.block_size * model.num_layers * layer_token_bytes
         budget = config.device_budget
         history_reserve = (config.staging_buffers * config.wave_requests * config.chunk_tokens
-                           * layer_token_bytes if mode.history == "stream" else 0)
+                           * layer_token_bytes if mode.history is History.STREAM else 0)
         num_device_blocks = (budget - history_reserve) // block_bytes
         if num_device_blocks < 2:
             raise ValueError(
@@ -63,7 +62,6 @@ class RuntimeLayout:
             num_device_blocks=num_device_blocks,
             num_host_blocks=config.host_kv_bytes // block_bytes if mode.offload else 0,
             history_reserve_bytes=history_reserve,
-            restore_layers=model.num_layers if mode.history == "restore" else None,
             offload_after_tokens=(config.offload_after_tokens
                                   if config.offload_after_tokens is not None
                                   else default_offload_after(max_len)),

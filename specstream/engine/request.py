@@ -6,8 +6,9 @@ import enum
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
+from specstream.engine.contract import TokenLogprobs
 from specstream.sampling_params import SamplingParams
 
 # A request's incremental decoder: each next token id -> the text it adds (None: not yet a
@@ -21,16 +22,6 @@ class TextCodec(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
     def decode_stream(self, skip_special_tokens: bool = True) -> TextStream: ...
-
-
-class TokenLogprobs(NamedTuple):
-    """The target's raw log-probabilities at one position: the emitted (or prompt) token's
-    and the most likely tokens' (SamplingParams.logprobs of them)."""
-
-    token: int
-    logprob: float
-    rank: int  # 1 = the most likely
-    top: tuple[tuple[int, float], ...]  # (token, logprob), most likely first
 
 
 class Status(enum.Enum):

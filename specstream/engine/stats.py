@@ -9,8 +9,10 @@ from the `resident` rounds of the same run (``specstream/bench/floors.py``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from specstream.engine.contract import StepMeasures, StepOutput, StepPlan
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class RoundStats:
     host_busy_s: float = 0.0  # the host workers' time on it
     host_wait_s: float = 0.0  # time the round waited for the host's partials
     host_serial_s: float = 0.0  # device time of the round while the host had no job
+    halves: int = 1  # the round ran in this many halves a layer apart (host attention)
 
 
 @dataclass
@@ -83,6 +86,59 @@ class EngineStats:
     decode_history_floor_bytes: int = 0
     kv_history_block_s: float = 0.0
     step_wall_s: float = 0.0
+    # Host attention: rounds run as two halves a layer apart (exec/round.py).
+    halved_rounds: int = 0
+
+    def record(self, plan: StepPlan, out: StepOutput, m: StepMeasures, link_bps: float,
+               history_floor: int, kv_held: float) -> RoundStats | None:
+        """Fold one step into the counters; returns its round record (None for a step that did
+        nothing). ``history_floor``: the step's history that cannot be resident given the
+        device budget, ``kv_held``: the fraction of device KV blocks holding history (both
+        taken before the step ran)."""
+        for s in plan.seqs:
+            new = out.new_tokens.get(s.request_id)
+            if s.sample and not s.prefill and new is not None:
+                self.count_accepted(s.num_drafts, len(new) - 1, s.tree.depth,
+                                    tree=bool(s.parents))
+        self.step_wall_s += m.wall_s
+        self.kv_history_block_s += kv_held * m.wall_s
+        self.steps += 1
+        self.link_busy_s += m.link_busy_s
+        self.compute_s += m.compute_s
+        self.draft_s += m.draft_s
+        self.prefill_tokens += m.prefill_tokens
+        self.halved_rounds += m.halves > 1
+        if not (m.decode or m.prefill_tokens):
+            return None  # nothing was done
+        link_floor = m.link_bytes / link_bps if link_bps else 0.0
+        if m.decode and plan.seqs:  # a verification round: the history it moved
+            self.verify_steps += 1
+            self.decode_history_bytes += m.history_bytes
+            self.decode_history_floor_bytes += history_floor
+        if m.decode:
+            self.decode_steps += 1
+            self.decode_time_s += m.wall_s
+            self.decode_link_busy_s += m.link_busy_s
+            self.decode_link_floor_s += link_floor
+        else:
+            self.prefill_only_time_s += m.wall_s
+        return RoundStats(
+            start=out.start, wall_s=m.wall_s, link_s=m.link_busy_s, link_bytes=m.link_bytes,
+            compute_s=m.compute_s, draft_s=m.draft_s, wait_s=m.wait_s,
+            query_tokens=plan.num_tokens,
+            context_tokens=sum(s.start_pos + len(s.token_ids) for s in plan.seqs),
+            attention_pairs=sum(len(s.token_ids) * (s.start_pos + len(s.token_ids))
+                                for s in plan.seqs),
+            num_seqs=len(plan.seqs), prefill_tokens=m.prefill_tokens,
+            new_tokens=sum(len(out.new_tokens.get(s.request_id, ())) for s in plan.seqs
+                           if s.sample and not s.prefill),
+            draft_tokens=sum(len(d) for d in out.drafts.values()),
+            draft_seqs=len(out.drafts), link_floor_s=link_floor, history_bytes=m.history_bytes,
+            history_floor_bytes=history_floor,
+            tree_nodes=sum(s.num_drafts for s in plan.seqs if s.parents),
+            draft_fed_tokens=sum(d.unseen for d in plan.drafts if out.drafts.get(d.request_id)),
+            host_bytes=m.host_bytes, host_busy_s=m.host_busy_s, host_wait_s=m.host_wait_s,
+            host_serial_s=m.host_serial_s, halves=m.halves)
 
     def count_accepted(self, num_drafts: int, num_accepted: int, depth: int | None = None,
                        tree: bool = False) -> None:
@@ -121,4 +177,59 @@ class EngineStats:
                                            if steps else 0.0)
         d["device_kv_utilization"] = (self.kv_history_block_s / self.step_wall_s
                                       if self.step_wall_s else 0.0)
+        return d
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """``LLMEngine.get_metrics()`` as a typed record: the counters (``EngineStats``, with
+    their ratios) and the engine's state now. ``as_dict`` is its serialisation (the keys
+    ``get_metrics`` has always had)."""
+
+    stats: EngineStats
+    mode: str
+    # speculative_policy auto: steps by the chain depth chosen (0 = no drafts), and by the
+    # draft nodes per request chosen (a chain: its depth)
+    speculative_depth_chosen: dict[int, int]
+    speculative_nodes_chosen: dict[int, int]
+    device_kv_blocks_used: int
+    device_kv_blocks_total: int
+    host_kv_blocks_used: int
+    host_kv_blocks_total: int
+    # automatic prefix caching (named as vLLM names them; tokens)
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    prefix_cache_hits_by_tier: dict[str, int]
+    prefix_cache_blocks: dict[str, int]
+    # host attention: KV bytes attended on the host CPU, its measured rate, the last share
+    host_attention_bytes: int
+    host_attention_bytes_per_s: float
+    host_attention_share: float
+    device_kv_budget_bytes: int
+    device_kv_peak_bytes: int
+    host_kv_peak_bytes: int
+    device_kv_used_bytes: int
+    host_kv_used_bytes: int
+    running: int
+    waiting: int
+    max_concurrency: int
+    # token trees: KV slots of accepted paths moved into place
+    tree_kv_moves: int = 0
+    # `fill`: blocks promoted into device windows as they passed (no link bytes)
+    promoted_blocks: int = 0
+
+    @property
+    def device_kv_usage(self) -> float:
+        used, total = self.device_kv_blocks_used, self.device_kv_blocks_total
+        return used / total if total else 0.0
+
+    @property
+    def host_kv_usage(self) -> float:
+        used, total = self.host_kv_blocks_used, self.host_kv_blocks_total
+        return used / total if total else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = self.stats.as_dict()
+        d.update({f.name: getattr(self, f.name) for f in fields(self) if f.name != "stats"})
+        d["device_kv_usage"], d["host_kv_usage"] = self.device_kv_usage, self.host_kv_usage
         return d

@@ -32,83 +32,24 @@ The manager plans movements; the transfer handler performs them:
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Callable
+import enum
 from dataclasses import dataclass, field
 
+from specstream.kvcache.allocator import BlockAllocator
 from specstream.kvcache.prefix_cache import Entry, PrefixCache
-
-# A block copy the worker makes at the start of a step (prefix-cache hits): kind ("h2h": host
-# to host, "d2h": device to host, "d2d": device to device), source block, destination block.
-BlockCopy = tuple[str, int, int]
+from specstream.kvcache.residency import OffloadPolicy
 
 
-class OutOfBlocks(RuntimeError):
-    """A tier has no free block for an allocation the caller should have checked."""
+class CopyKind(str, enum.Enum):
+    """Where a whole-block copy of a step goes (prefix-cache hits): within the tier the mode
+    keeps history in."""
+
+    HOST_TO_HOST = "h2h"
+    DEVICE_TO_DEVICE = "d2d"
 
 
-class BlockAllocator:
-    """Free list of block ids of one tier, with usage peak. Blocks the prefix cache holds
-    (``cache``) count as free: an allocation that needs them takes them back."""
-
-    def __init__(self, num_blocks: int, tier: str, cache: PrefixCache | None = None) -> None:
-        if num_blocks < 0:
-            raise ValueError(f"{tier} tier: num_blocks must be >= 0, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self.tier = tier
-        self.cache = cache
-        self._free: list[int] = list(range(num_blocks))  # sorted
-        self.peak_used = 0
-
-    @property
-    def num_cached(self) -> int:
-        """Blocks the prefix cache holds in this tier."""
-        return self.cache.num_blocks(self.tier) if self.cache is not None else 0
-
-    @property
-    def num_free(self) -> int:
-        """Blocks an allocation may take: free ones and cached ones not pinned."""
-        spare = self.cache.num_reclaimable(self.tier) if self.cache is not None else 0
-        return len(self._free) + spare
-
-    @property
-    def num_used(self) -> int:
-        """Blocks requests hold (the cache's not counted)."""
-        return self.num_blocks - len(self._free) - self.num_cached
-
-    def allocate(self, n: int, after: int | None = None) -> list[int]:
-        """``n`` blocks, consecutive ids when possible (continuing ``after`` first): a request's
-        consecutive blocks of one layer are one contiguous view for attention."""
-        if n > len(self._free) and self.cache is not None:
-            self.free(self.cache.reclaim(self.tier, n - len(self._free)))
-        free = self._free
-        if n > len(free):
-            raise OutOfBlocks(f"{self.tier} tier: need {n} blocks, {len(free)} free")
-        if n == 0:
-            return []
-        start = self._run_start(n, after)
-        if start is None:
-            blocks, self._free = free[:n], free[n:]
-        else:
-            blocks = free[start : start + n]
-            del free[start : start + n]
-        self.peak_used = max(self.peak_used, self.num_used)
-        return blocks
-
-    def _run_start(self, n: int, after: int | None) -> int | None:
-        free = self._free
-        if after is not None:
-            i = bisect.bisect_left(free, after + 1)
-            if i + n <= len(free) and free[i] == after + 1 and free[i + n - 1] == after + n:
-                return i
-        for i in range(len(free) - n + 1):
-            if free[i + n - 1] - free[i] == n - 1:
-                return i
-        return None
-
-    def free(self, blocks: list[int]) -> None:
-        for b in blocks:
-            bisect.insort(self._free, b)
+# A block copy the worker makes at the start of a step: kind, source block, destination block.
+BlockCopy = tuple[CopyKind, int, int]
 
 
 @dataclass
@@ -142,52 +83,6 @@ class RestoreChunk:
     num_tokens: int
 
 
-RESIDENCY = ("fill", "tail")
-
-
-@dataclass(frozen=True)
-class OffloadPolicy:
-    offload: bool  # False: everything stays on the device (resident mode)
-    resident_tail_tokens: int = 512
-    offload_after_tokens: int = 8192
-    chunk_tokens: int = 2048
-    residency: str = "fill"  # "fill" or "tail" (see the module docstring)
-
-    def __post_init__(self) -> None:
-        if self.residency not in RESIDENCY:
-            raise ValueError(f"residency must be one of {RESIDENCY}, got {self.residency!r}")
-
-    @property
-    def fill(self) -> bool:
-        return self.offload and self.residency == "fill"
-
-
-def residency_targets(floors: list[int], caps: list[int], capacity: int,
-                      cost: Callable[[list[int]], int] | None = None) -> list[int]:
-    """Equal shares of ``capacity`` device blocks, by water-filling: request ``i`` gets
-    ``max(floors[i], min(level, caps[i]))`` for the highest ``level`` whose total (plus
-    ``cost(targets)``, the room the targets leave others needing) fits. A request that needs
-    less than the level keeps all it needs; the rest share what is left equally. The floors
-    always hold (admission made room for them)."""
-    def targets(level: int) -> list[int]:
-        return [max(f, min(level, c)) for f, c in zip(floors, caps)]
-
-    def fits(level: int) -> bool:
-        t = targets(level)
-        return sum(t) + (cost(t) if cost is not None else 0) <= capacity
-
-    lo, hi = 0, max(caps, default=0)
-    if fits(hi):
-        return targets(hi)
-    while lo < hi:  # the highest level that fits (level 0 gives the floors)
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return targets(lo)
-
-
 class KVManager:
     """Block bookkeeping for both tiers."""
 
@@ -209,6 +104,7 @@ class KVManager:
         self.host = BlockAllocator(num_host_blocks, "host", self.cache)
         self.seqs: dict[str, SeqBlocks] = {}
         self._pinned: list[tuple[Entry, str]] = []  # cache blocks the next step copies from
+        self.promoted_blocks = 0  # blocks promoted into device windows as they passed, so far
 
     # ---- queries ------------------------------------------------------------------------
     def host_tokens(self, rid: str) -> int:
@@ -231,18 +127,6 @@ class KVManager:
             return 0
         keep = 0 if self.policy.fill else self.policy.resident_tail_tokens
         return max(0, (total_tokens - keep) // self.block_size)
-
-    def device_slots(self, rid: str, start: int, num: int) -> list[tuple[int, int]]:
-        """(device block, offset) of tokens [start, start + num), which must be in the window."""
-        seq = self.seqs[rid]
-        base = seq.first * self.block_size
-        out = []
-        for t in range(start, start + num):
-            rel = t - base
-            if rel < 0:
-                raise ValueError(f"token {t} of {rid} is in the host tier")
-            out.append((seq.device_blocks[rel // self.block_size], rel % self.block_size))
-        return out
 
     def target(self, rid: str) -> int | None:
         """Device blocks ``rid`` may keep (None: all of them)."""
@@ -329,7 +213,8 @@ class KVManager:
         self.cache.record(len(prompt), ["host" if p.offload else "device"] * len(hits))
         if not hits:
             return 0, []
-        tier, kind = ("host", "h2h") if p.offload else ("device", "d2d")
+        tier, kind = (("host", CopyKind.HOST_TO_HOST) if p.offload
+                      else ("device", CopyKind.DEVICE_TO_DEVICE))
         sources = [e.block(tier) for e in hits]  # a lookup in that tier: never None
         pins = [(e, tier) for e in hits]
         self.cache.pin(pins)  # before allocating: the allocation may reclaim cached blocks
@@ -392,6 +277,7 @@ class KVManager:
         if landed:
             seq.first -= len(seq.promoting)
             seq.device_blocks[:0] = seq.promoting
+            self.promoted_blocks += len(seq.promoting)
         else:
             self.device.free(seq.promoting)
         seq.promoting = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from specstream.backends.base import TransferBackend, TransferHandle
+from specstream.kvcache.manager import BlockCopy, CopyKind
 from specstream.models.config import ModelConfig
 
 
@@ -73,16 +74,15 @@ class KVStore:
         flat = x.reshape(2, -1, self.cfg.num_kv_heads, self.cfg.head_dim)
         return flat[0, :num_tokens], flat[1, :num_tokens]
 
-    def copy_blocks(self, copies: tuple[tuple[str, int, int], ...]) -> None:
-        """Whole-block copies (all layers) between tiers, synchronous: prefix-cache hits
-        (``kind``: "h2h" host to host, "d2h" device to host, "d2d" device to device)."""
-        tiers = {"h": self.host, "d": self.device}
-        for kind in ("h2h", "d2h", "d2d"):
-            pairs = [(s, d) for k, s, d in copies if k == kind]
+    def copy_blocks(self, copies: tuple[BlockCopy, ...]) -> None:
+        """Whole-block copies (all layers) within a tier, synchronous: prefix-cache hits."""
+        for kind in CopyKind:
+            pairs = [(s, d) for k, s, d in copies if k is kind]
             if not pairs:
                 continue
-            src, dst = tiers[kind[0]], tiers[kind[2]]
-            assert src is not None and dst is not None, f"{kind} copy without that tier"
+            tier = self.host if kind is CopyKind.HOST_TO_HOST else self.device
+            assert tier is not None, f"{kind.value} copy without that tier"
+            src = dst = tier
             s_idx = torch.tensor([s for s, _ in pairs], device=src.device)
             d_idx = torch.tensor([d for _, d in pairs], device=dst.device)
             dst.index_copy_(2, d_idx, src.index_select(2, s_idx).to(dst.device))

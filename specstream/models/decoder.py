@@ -3,7 +3,7 @@
 Tokens of all requests in a step arrive flattened (``[num_tokens]``). The model holds no state
 and no KV cache: each layer computes q/k/v of the new tokens (``qkv``) and takes the attention
 output back (``finish``). ``forward`` gets attention from an :class:`AttentionContext` supplied
-by the caller; the engine's round drives the layers itself (``engine/round.py``).
+by the caller; the engine's round drives the layers itself (``engine/exec/round.py``).
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ class AsyncEngine:
         self.max_queue, self.queue_timeout_s = max_queue, queue_timeout_s
         self.metrics = metrics or ServerMetrics(
             max_model_len=self.engine.max_model_len,
-            num_speculative_tokens=llm.config.num_speculative_tokens or 0)
+            num_speculative_tokens=llm.config.q)
         self.num_pending = 0  # requests awaiting admission (event-loop side only)
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._claimed: set[str] = set()  # ids from add() not yet handed back (event-loop side)

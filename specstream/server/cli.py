@@ -261,7 +261,7 @@ def run_serve(args: argparse.Namespace) -> int:
         chat_template=load_chat_template(args.chat_template), default_sampling=defaults,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
-    if not _is_loopback(args.host) and not args.api_key:
+    if not is_loopback(args.host) and not args.api_key:
         print(f"specstream: warning: serving on {args.host} without --api-key",
               file=sys.stderr)
     llm = build_llm(args)
@@ -281,7 +281,7 @@ def served_name(model: str | None) -> str:
     return Path(model).resolve().name if model else "specstream-default"
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:

@@ -23,7 +23,8 @@ from specstream.sim.workload import AcceptanceModel
 
 TOKEN = 3  # every emitted and drafted token (the engine is told no end-of-sequence id)
 # Per-rank acceptance of the second, third, ... candidate over the first (trees): each a
-# quarter of the one before, the engine's own prior (engine/shaping.py) when nothing is measured.
+# quarter of the one before, the engine's own prior (engine/policy/shaping.py) when nothing is
+# measured.
 RANK_DECAY = 0.25
 
 

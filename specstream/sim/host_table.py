@@ -14,7 +14,7 @@ from dataclasses import replace
 from specstream.sim.api import Scenario
 from specstream.sim.hardware import GB, TB, HardwareProfile, get_hardware
 from specstream.sim.host import flop_per_byte
-from specstream.sim.ladder import LADDER, LadderStep, _shape, ladder_concurrency, run_step
+from specstream.sim.ladder import LADDER, LadderStep, ladder_concurrency, run_step, shape_label
 
 STEPS: tuple[LadderStep, ...] = (LADDER[3], LADDER[4])  # adaptive chain, trees (both auto)
 
@@ -39,7 +39,7 @@ def host_rows(hw: HardwareProfile, target: str = "Qwen3-8B", draft: str = "Qwen3
                 kind = "trees" if step.topk > 1 else "chains"
                 rate = f"{x.host_rate / GB:.0f}" if x.host_share else "-"
                 rows.append(
-                    f"| {g} | {kind} | {host} | {_shape(r.shape)} | {n} | {rate} "
+                    f"| {g} | {kind} | {host} | {shape_label(r.shape)} | {n} | {rate} "
                     f"| {x.host_share:.2f} | {x.period_s * 1e3:.1f} | {x.link_s * 1e3:.1f} "
                     f"| {x.host_s * 1e3:.1f} | {x.tokens_per_s:.0f} "
                     f"| {x.tokens_per_s / off_rate:.2f}x |")

@@ -12,8 +12,8 @@ Each step adds one mechanism to the one before, as the engine runs it:
 
 The adaptive steps choose a shape as the engine does: the engine's ``RoundShaper`` gives the
 candidate shapes and the acceptance by rank (its prior a, a/4, a/16, a/64 for the model card's
-a), and ``spec/round_shape.choose`` picks one from a ``RoundCosts`` the pipeline's roofline fills
-in (what the engine's running fits would converge to: verification as a line in query
+a), and ``engine/policy/round_shape.choose`` picks one from a ``RoundCosts`` the pipeline's
+roofline fills in (what the engine's running fits would converge to: verification as a line in query
 positions, a draft forward as a line in tokens). The chosen shape is then run through the
 round pipeline (``rounds.simulate_round``), whose tokens per round are the engine's
 ``expected_tokens``. Nothing here is measured on a GPU.
@@ -134,7 +134,7 @@ def ladder(sc: Scenario, alpha: float, concurrency: int | None = None) -> list[L
     return [run_step(sc, s, contexts, alpha) for s in LADDER]
 
 
-def _shape(s: Shape) -> str:
+def shape_label(s: Shape) -> str:
     if s.topk == 1:
         return f"chain {s.depth}"
     return f"tree {s.nodes} nodes, depth {s.depth}, top-{s.topk}"
@@ -148,7 +148,7 @@ def ladder_table(rows: Sequence[LadderRow]) -> str:
     for r in rows:
         x = r.result
         lines.append(
-            f"| {r.step.label} | {_shape(r.shape)} | {x.tokens_per_round:.2f} "
+            f"| {r.step.label} | {shape_label(r.shape)} | {x.tokens_per_round:.2f} "
             f"| {x.period_s * 1e3:.1f} | {x.link_s * 1e3:.1f} "
             f"| {(x.verify_s + x.draft_s) * 1e3:.1f} | {x.link_bytes / 1e9:.1f} "
             f"| {x.tokens_per_s:.1f} | {x.tokens_per_s / first if first else 0:.2f}x |")

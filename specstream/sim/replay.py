@@ -9,15 +9,16 @@ admission, reservations, chunked prefill, the ping-pong groups, the ``fill`` res
 round-shape policy (``speculative_policy = "auto"``, through the scheduler's ``RoundShaper``)
 and token trees are the engine's code. Each step:
 
-    plan = scheduler.schedule()                    # the engine's decision
-    output = worker.run(plan)                      # fake_worker.py: acceptances drawn
-    update = scheduler.update(plan, output)        # the engine's bookkeeping
-    clock += cost.seconds(features(plan, output))  # step_cost.py: compute + link wait
+    plan = scheduler.schedule(feedback.estimates())  # the engine's decision
+    output = worker.run(plan)                        # fake_worker.py: acceptances drawn
+    update = scheduler.update(plan, output)          # the engine's bookkeeping
+    clock += cost.seconds(features(plan, output))    # step_cost.py: compute + link wait
+    feedback.observe(plan, output, measures)         # the engine's RoundFeedback
 
-and, as ``LLMEngine.step`` does, prefill write-backs are completed, the scheduler is told the
-link rate and a prefill step's compute (``note_step``), and the round-shape policy is told what
-the round measured. Times are the simulated clock's: TTFT and TPOT per request, throughput over
-the makespan; ``replay_mean`` averages over acceptance draws.
+and, as ``LLMEngine.step`` does, prefill write-backs are completed; the feedback (the link
+rate, a prefill step's compute, the round-shape policy's models) is the engine's own object.
+Times are the simulated clock's: TTFT and TPOT per request, throughput over the makespan;
+``replay_mean`` averages over acceptance draws.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from typing import Any
 import numpy as np
 
 from specstream.config import EngineConfig
+from specstream.engine.contract import StepMeasures, is_decode_step
+from specstream.engine.policy.feedback import RoundFeedback
 from specstream.engine.request import Request
 from specstream.sampling_params import SamplingParams
 from specstream.sim.engine_model import Geometry, build, engine_config
@@ -78,6 +81,7 @@ def replay(s: ReplaySetup, seed: int = 0, record: bool = False) -> ReplayRun:
     keeps every step's features (``ReplayRun.records``)."""
     eng = build(s.config, s.geometry)
     sched, cfg = eng.scheduler, s.config
+    feedback = RoundFeedback(cfg, sched.shaper, link_bps=s.link_bw)
     worker = FakeWorker(s.acceptance, np.random.default_rng(seed))
     params = SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True)
     for i, n in enumerate(s.prompts):
@@ -92,7 +96,7 @@ def replay(s: ReplaySetup, seed: int = 0, record: bool = False) -> ReplayRun:
     for _ in range(MAX_STEPS):
         if not sched.has_work():
             break
-        plan = sched.schedule()
+        plan = sched.schedule(feedback.estimates())
         admitted = max(admitted, len(sched.running))
         out = worker.run(plan)
         f = StepFeatures.of_step(plan, out, eng.history_token_bytes, s.geometry.num_layers,
@@ -106,22 +110,22 @@ def replay(s: ReplaySetup, seed: int = 0, record: bool = False) -> ReplayRun:
         now += wall
         if record:
             records.append(f)
-        decode = bool(out.drafts) or any(w.sample and not w.prefill for w in plan.seqs)
+        decode = is_decode_step(plan, out)
+        feedback.observe(plan, out, StepMeasures(
+            wall_s=wall, wait_s=wall - compute, draft_s=s.cost.compute_s(f)[1],
+            link_busy_s=link, link_bytes=int(f.history_bytes + f.writeback_bytes),
+            history_bytes=int(f.history_bytes), prefill_tokens=int(f.prefill_tokens),
+            decode=decode))
         if not decode and not f.prefill_tokens:
             idle += 1
             if idle > 1000:
                 raise RuntimeError(f"{s.mode}: the scheduler makes no progress")
             continue
         idle = 0
-        sched.note_step(s.link_bw, compute if f.prefill_tokens else None)
         if decode:
             steps["mixed" if f.prefill_tokens else "decode"] += 1
             link_busy += min(link, wall)
             decode_time += wall
-            if sched.shaper is not None:  # as LLMEngine._observe_shape does
-                compute, draft = s.cost.compute_s(f)
-                sched.shaper.observe_step(plan, out, link, max(0.0, compute - draft), draft,
-                                          bool(f.prefill_tokens))
         else:
             steps["prefill-only"] += 1
         for req in update.touched:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from specstream.kvcache.manager import residency_targets
+from specstream.kvcache.residency import residency_targets
 
 
 def fill_targets(free_tokens: float, needs: Sequence[float], floors: Sequence[float],

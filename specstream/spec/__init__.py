@@ -1,31 +1,27 @@
-"""Speculative decoding: proposers draft tokens, ``accept_drafts`` verifies them losslessly."""
+"""Speculative decoding: proposers draft tokens, ``accept_drafts`` verifies them losslessly.
+
+The names below load on first use (PEP 562), so the torch-free parts of the package
+(``token_tree``) import without the acceptance kernels pulling in torch.
+"""
 
 from __future__ import annotations
 
-from specstream.spec.acceptance import AcceptOutput, accept_drafts
-from specstream.spec.ngram import NgramProposer, ngram_lookup
-from specstream.spec.proposer import (
-    Proposal,
-    ProposeJob,
-    Proposer,
-    ProposeRequest,
-    available_proposers,
-    batch_proposals,
-    make_proposer,
-    register_proposer,
-)
+import importlib
+from typing import Any
 
-__all__ = [
-    "AcceptOutput",
-    "NgramProposer",
-    "Proposal",
-    "ProposeJob",
-    "ProposeRequest",
-    "Proposer",
-    "accept_drafts",
-    "available_proposers",
-    "batch_proposals",
-    "make_proposer",
-    "ngram_lookup",
-    "register_proposer",
-]
+_WHERE = {
+    "AcceptOutput": "acceptance", "accept_drafts": "acceptance",
+    "NgramProposer": "ngram", "ngram_lookup": "ngram",
+    "Proposal": "proposer", "ProposeJob": "proposer", "Proposer": "proposer",
+    "ProposeRequest": "proposer", "available_proposers": "proposer",
+    "batch_proposals": "proposer", "make_proposer": "proposer",
+    "register_proposer": "proposer",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'specstream.spec' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"specstream.spec.{_WHERE[name]}"), name)

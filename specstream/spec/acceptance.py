@@ -24,7 +24,7 @@ class AcceptOutput:
     output_tokens: list[list[int]]
 
 
-def _accept_mask(
+def accept_mask(
     u: Tensor,  # [B, Q] uniform in [0, 1)
     p_x: Tensor,  # [B, Q] target probability of each draft token
     q_x: Tensor,  # [B, Q] draft probability of each draft token
@@ -34,7 +34,7 @@ def _accept_mask(
     return u * q_x < p_x
 
 
-def _residual(
+def residual(
     p: Tensor,  # [B, V] target distribution at the rejected position
     q: Tensor,  # [B, V] draft distribution at the rejected position
 ) -> Tensor:  # [B, V] unnormalised
@@ -145,7 +145,7 @@ def accept_drafts_on_device(
     gens = list(generators) if generators is not None else [None] * bsz
     gens = [None if g else gen for g, gen in zip(greedy_rows, gens, strict=True)]
     u = uniform(counts, q, gens, dev)
-    ok = torch.where(greedy[:, None], drafts == p[:, :q].argmax(-1), _accept_mask(u, p_x, q_x))
+    ok = torch.where(greedy[:, None], drafts == p[:, :q].argmax(-1), accept_mask(u, p_x, q_x))
     ok &= valid
     num_accepted = ok.long().cumprod(dim=-1).sum(dim=-1)  # [B] length of the accepted prefix
 
@@ -158,7 +158,7 @@ def accept_drafts_on_device(
             q_k = torch.zeros_like(p_k).scatter_(-1, drafts[rows, k_draft][:, None], 1.0)
         else:
             q_k = dprobs[rows, k_draft]
-        res = _residual(p_k, q_k)
+        res = residual(p_k, q_k)
         # p == q leaves no residual; a rejection then has probability 0, fall back to p.
         res = torch.where(res.sum(-1, keepdim=True) > 0, res, p_k)
         dist = torch.where(rejected[:, None], res, p_k)

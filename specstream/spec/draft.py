@@ -72,7 +72,7 @@ class DraftModelProposer(Proposer):
         self.forward_s = 0.0
 
     # ---- cache maintenance ----------------------------------------------------------
-    def _catch_up(self, c: DraftSeqCache, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+    def catch_up(self, c: DraftSeqCache, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
         """Tokens (and positions) the draft has not processed yet; at least the last token (a
         request with nothing new feeds its last token again, its cache rolled back by one)."""
         c.drop_tree()  # a tree round's nodes (normally dropped when its job ended)
@@ -84,7 +84,7 @@ class DraftModelProposer(Proposer):
             todo = todo[: self.sinks] + todo[-self.window :]
         return [tokens[p] for p in todo], todo
 
-    def _evict(self, c: DraftSeqCache) -> None:
+    def evict(self, c: DraftSeqCache) -> None:
         # never while tree nodes are cached: they would move into the window
         if (self.policy == "window" and c.tree_entries == 0
                 and c.length > self.sinks + self.window + self.slack):
@@ -111,7 +111,7 @@ class DraftModelProposer(Proposer):
             self.pool.give_back(c.slot)
 
     # ---- drafting -------------------------------------------------------------------
-    def _prepare(self, caches: list[DraftSeqCache], counts: list[int], positions: list[int],
+    def prepare(self, caches: list[DraftSeqCache], counts: list[int], positions: list[int],
                  extra: Sequence[Sequence[int] | None],
                  tree: Sequence[TreeQueries | None] | None = None) -> DraftForward:
         """The layout of a forward feeding ``counts[i]`` tokens to request i (``positions``
@@ -121,7 +121,7 @@ class DraftModelProposer(Proposer):
                              self.model.config.head_dim**-0.5, extra, tree)
 
     @torch.no_grad()
-    def _forward(self, fwd: DraftForward, ids: Tensor, caches: list[DraftSeqCache],
+    def forward(self, fwd: DraftForward, ids: Tensor, caches: list[DraftSeqCache],
                  counts: list[int], last_pos: list[int]) -> Tensor:
         """Run the forward (``ids`` ``[num_tokens]``); returns last-position logits ``[B, V]``
         (fp32)."""
@@ -130,7 +130,7 @@ class DraftModelProposer(Proposer):
         for c, n, pos in zip(caches, counts, last_pos):
             c.length += n
             c.num_tokens = pos + 1
-            self._evict(c)
+            self.evict(c)
         return self.model.compute_logits(
             hidden if fwd.last is None else hidden.index_select(0, fwd.last))
 
@@ -168,7 +168,7 @@ class DraftJob(ProposeJob):
         for rid, gen, slot in zip(new, gens, p.pool.take(len(new))):
             p.caches[rid] = DraftSeqCache(p.pool, slot, gen)
         self.caches = [p.caches[r.request_id] for r in self.active]
-        feeds = [p._catch_up(c, r.token_ids) for c, r in zip(self.caches, self.active)]
+        feeds = [p.catch_up(c, r.token_ids) for c, r in zip(self.caches, self.active)]
         self.tokens = [f[0] for f in feeds]
         self.positions = [f[1] for f in feeds]
         params = [r.params for r in self.active]
@@ -207,19 +207,19 @@ class DraftJob(ProposeJob):
             positions = [len(active[i].token_ids) + s - 1 for i in live]
             feed = None if prev == live else [prev.index(i) for i in live]
         rows = None if self.greedy or len(live) == len(active) else live
-        fwd = self.p._prepare(caches, counts, positions, [feed, rows])
+        fwd = self.p.prepare(caches, counts, positions, [feed, rows])
         ids = fwd.extra[0]
         if s > 0:
             prev_tokens = self.steps[-1].tokens
             ids = prev_tokens if ids is None else prev_tokens.index_select(0, ids)
         assert ids is not None
         last_pos = [pos[-1] for pos in self.positions] if s == 0 else positions
-        logits = self.p._forward(fwd, ids, caches, counts, last_pos)
+        logits = self.p.forward(fwd, ids, caches, counts, last_pos)
         if self.sampling is None:
             tokens, probs = logits.argmax(dim=-1), None
         else:
             params = [active[i].params for i in live]
-            st = _rows(self.sampling, fwd.extra[1])
+            st = sampling_rows(self.sampling, fwd.extra[1])
             probs = logits_to_probs(
                 logits, st.temperature, st.top_k, st.top_p,
                 filters=any(x.top_k > 0 or x.top_p < 1 for x in params),
@@ -267,7 +267,7 @@ def request_max_nodes(r: ProposeRequest) -> int:
     return r.num_tokens if r.max_nodes is None else r.max_nodes
 
 
-def _rows(t: SamplingTensors, rows: Tensor | None) -> SamplingTensors:
+def sampling_rows(t: SamplingTensors, rows: Tensor | None) -> SamplingTensors:
     """The sampling parameters of ``rows`` ``[n]`` (all of them when None)."""
     if rows is None:
         return t

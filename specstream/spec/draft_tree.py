@@ -51,8 +51,8 @@ from specstream.sampling import logits_to_probs, sample
 from specstream.spec.draft import (
     DraftJob,
     DraftModelProposer,
-    _rows,
     request_max_nodes,
+    sampling_rows,
 )
 from specstream.spec.draft_kv import DraftForward, DraftSeqCache, TreeQueries
 from specstream.spec.proposer import Proposal, ProposeRequest
@@ -159,13 +159,14 @@ class _Readback:
         if x.is_cuda:
             self.host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
             self.host.copy_(x, non_blocking=True)
-            self.event = torch.cuda.Event()
+            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self.event.record()
 
     def values(self) -> list[float]:
         if self.event is not None:
             self.event.synchronize()
-        return self.host.tolist()  # type: ignore[no-any-return]
+        out: list[float] = self.host.tolist()
+        return out
 
 
 @dataclass
@@ -242,12 +243,12 @@ class DraftTreeJob(DraftJob):
         trees = [j for j, i in enumerate(live) if i in self.trees]
         tree_rows = [first[j] + u for j in trees for u in range(1 if s == 0 else counts[j])]
         sample_rows = None if self.chain_greedy else [live[j] for j in chain]
-        fwd = p._prepare(caches, counts, positions,
+        fwd = p.prepare(caches, counts, positions,
                          [ids, [first[j] for j in chain], tree_rows, sample_rows], tree)
         ids_t, chain_t, tree_t, sample_t = fwd.extra
         assert ids_t is not None
         if s == 0:
-            logits = p._forward(fwd, ids_t, caches, counts, [x[-1] for x in self.positions])
+            logits = p.forward(fwd, ids_t, caches, counts, [x[-1] for x in self.positions])
         else:
             logits = self._forward_level(fwd, ids_t, live, caches, counts, positions)
         parts, probs, k = [], None, 0
@@ -259,7 +260,7 @@ class DraftTreeJob(DraftJob):
             else:
                 assert self.sampling is not None and sample_t is not None
                 params = [active[live[j]].params for j in chain]
-                st = _rows(self.sampling, sample_t)
+                st = sampling_rows(self.sampling, sample_t)
                 probs = logits_to_probs(
                     rows, st.temperature, st.top_k, st.top_p,
                     filters=any(x.top_k > 0 or x.top_p < 1 for x in params),
@@ -288,7 +289,7 @@ class DraftTreeJob(DraftJob):
                 c.tree_entries += n
             else:
                 c.num_tokens = positions[row] + 1
-                self.p._evict(c)
+                self.p.evict(c)
             row += n
         return self.p.model.compute_logits(hidden)
 

@@ -44,7 +44,8 @@ def ngram_lookup(
     if best_n == 0:
         return []
     start = best_end + 1
-    return tokens[start : start + num_tokens].tolist()
+    out: list[int] = tokens[start : start + num_tokens].tolist()
+    return out
 
 
 @register_proposer("ngram")

@@ -111,12 +111,19 @@ register_proposer = PROPOSERS.register
 
 
 def make_proposer(name: str, **kwargs: Any) -> Proposer:
-    """Construct the proposer registered under ``name``."""
+    """Construct the proposer registered under ``name`` (the built-in ones register when their
+    modules are imported, here)."""
+    _builtin()
     return PROPOSERS.get(name)(**kwargs)
+
+
+def _builtin() -> None:
+    from specstream.spec import draft, ngram  # noqa: F401
 
 
 def available_proposers() -> list[str]:
     """Names of the registered proposers."""
+    _builtin()
     return PROPOSERS.names()
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Any
 
 import torch
 
@@ -31,6 +30,7 @@ from specstream.backends.base import TransferBackend, sync_point
 from specstream.engine.exec.gap_filler import GapFiller
 from specstream.engine.exec.history import Gap
 from specstream.engine.trace import Tracer
+from specstream.options import Drafting as DraftingKind
 from specstream.registry import Registry
 from specstream.spec.proposer import ProposeJob
 
@@ -68,7 +68,7 @@ DRAFTING: Registry[type[Drafting]] = Registry("drafting strategy")
 def drafting_for(mode_drafting: str, device: str) -> str:
     """The strategy that implements a mode's drafting on ``device``: on CUDA the link's gaps
     are filled by the GPU's stream scheduler, not by the host."""
-    return "draft-stream" if mode_drafting == "gaps" and device.startswith("cuda") else (
+    return "draft-stream" if mode_drafting is DraftingKind.GAPS and device.startswith("cuda") else (
         mode_drafting)
 
 
@@ -104,26 +104,24 @@ class OnDraftStream(Drafting):
     def begin(self, job: ProposeJob | None) -> None:
         # enqueued once the round's first copies are issued (copies_issued), so the link does
         # not wait for the host to enqueue the draft steps
-        self.job, self.enqueue_s = job, 0.0
-        self.stream: Any = None  # the CUDA backend's draft stream, once the steps are queued
+        self.job, self.enqueue_s, self.queued = job, 0.0, False
+        self.stream: object = None  # the backend's draft stream the steps are queued on
 
     def copies_issued(self) -> None:
         job = self.job
-        if job is None or self.stream is not None:
+        if job is None or self.queued or self.backend is None:
             return
-        streams = getattr(self.backend, "draft_stream", None)
-        assert streams is not None, "draft-stream drafting needs the CUDA backend"
         t0 = time.perf_counter()
-        with streams() as stream, torch.inference_mode():
+        with self.backend.draft_stream() as stream, torch.inference_mode():
             while job.step():  # enqueued, not run: nothing here waits for the device
                 pass
-        self.stream, self.enqueue_s = stream, time.perf_counter() - t0
+        self.stream, self.queued = stream, True
+        self.enqueue_s = time.perf_counter() - t0
 
     def end(self) -> float:
         self.copies_issued()  # a step without a forward pass: enqueue now
-        if self.stream is not None:
-            cuda: Any = self.backend  # the CUDA backend (its draft stream was used)
-            cuda.join(self.stream)
+        if self.queued and self.backend is not None:
+            self.backend.join(self.stream)
         return 0.0 if self.job is None else self.enqueue_s
 
 

@@ -8,14 +8,14 @@ those blocks, straight from the host tier (``KVStore.host``, no copy), as output
 log-sum-exp per query row; the round merges them into the same online softmax as the streamed
 waves and the resident tail (``WaveAttention.add_partial``), exactly.
 
-The scheduler decides the split (``Scheduler._host_counts``, ``engine/host_split.py``): a
-fixed share of every request's cold chunks (``host_attention_fraction``), or under
-``host_attention="auto"`` the split that lets the host and the link finish together, from the
-link rate and what this worker measures: its time per byte of KV as a line in the query
-positions per request (``cost``: a decode round's few positions read memory, a prefill
-chunk's hundreds compute), and the device time of a round during which the host can have
-nothing to do (``serial_s``: a layer's queries come only after its projection, and the
-layer's MLP waits for the host's partials; the round's two halves hide most of it).
+The scheduler decides the split (``sched/host_split.py``): a fixed share of every request's
+cold chunks (``host_attention_fraction``), or under ``host_attention="auto"`` the split that
+lets the host and the link finish together, from the link rate and what this worker measures
+(``since_last``, fed to ``policy/feedback.py``): each job's time per byte of KV against its
+query positions per request (a decode round's few positions read memory, a prefill chunk's
+hundreds compute), and the device time of a round during which the host can have nothing to
+do (``serial_s``: a layer's queries come only after its projection, and the layer's MLP
+waits for the host's partials; the round's two halves hide most of it).
 """
 
 from __future__ import annotations
@@ -23,14 +23,16 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import torch
 from torch import Tensor
 
 from specstream.attention.host_kernel import host_partial
-from specstream.engine.policy.estimators import LineFit
 from specstream.kvcache.storage import KVStore
+
+# one job: (query positions per request, seconds, KV bytes)
+HostJob = tuple[int, float, int]
 
 
 def default_threads() -> int:
@@ -53,8 +55,7 @@ class HostAttention:
         self.bytes = 0  # KV bytes attended on the host, since start
         self.busy_s = 0.0  # worker time spent on them
         self.wait_s = 0.0  # time the round waited for the host's partials (``collect``)
-        # seconds per KV byte against query positions per request, one point per job
-        self.cost = LineFit(decay=0.98)
+        self._jobs: list[HostJob] = []  # finished since the last ``since_last``
         # device time of rounds with host work while the host had none to do because the
         # device had not sent it yet: from the round's start, or from the partials the round
         # last collected (whichever the host was idle since), to the next queries, while no
@@ -70,24 +71,15 @@ class HostAttention:
         """Host attention bytes/s measured so far (0: nothing measured)."""
         return self.bytes / self.busy_s if self.busy_s else 0.0
 
-    def cost_line(self) -> tuple[float, float]:
-        """The host's seconds per KV byte as (fixed, per query position of a request), from
-        the jobs measured so far ((0, 0): nothing measured)."""
-        with self._lock:  # the workers add to the fit
-            return self.cost.coef() if self.cost.n else (0.0, 0.0)
-
-    def seconds_per_byte(self, positions: int) -> float:
-        """The host's time per KV byte for requests of ``positions`` query positions (0:
-        nothing measured)."""
-        a, b = self.cost_line()
-        return a + b * positions
-
-    def since_last(self) -> tuple[float, float, float]:
-        """Busy, wait and serial seconds since the last call (one step's, called per step)."""
+    def since_last(self) -> tuple[float, float, float, tuple[HostJob, ...]]:
+        """Busy, wait and serial seconds and the finished jobs since the last call (one
+        step's, called per step)."""
         now = (self.busy_s, self.wait_s, self.serial_s)
         delta = tuple(a - b for a, b in zip(now, self._last, strict=True))
         self._last = now
-        return delta[0], delta[1], delta[2]
+        with self._lock:
+            jobs, self._jobs = tuple(self._jobs), []
+        return delta[0], delta[1], delta[2], jobs
 
     def begin_round(self) -> None:
         self._mark = time.perf_counter()
@@ -106,20 +98,13 @@ class HostAttention:
                scale: float) -> Future[tuple[Tensor, Tensor]]:
         """Partial attention of ``q`` (``[W, P, H, D]``, one request per row, any device) over
         each request's host ``blocks`` of ``layer``: a future of (out ``[W, P, H, D]``, lse
-        ``[W, P, H]``), fp32 on the host (pinned when ``q`` is on a GPU, so they go back
-        without blocking). On a GPU the queries come down on the compute stream into pinned
-        memory without blocking it; the worker waits for their event, not the caller."""
+        ``[W, P, H]``), fp32 on the host, ready to go back without blocking. The queries come
+        down without blocking the device (``backend.queries_to_host``); the worker waits for
+        them, not the caller."""
         self._idle_until(time.perf_counter())
         with self._lock:
             self._pending += 1
-        ready = None
-        if q.device.type == "cuda":
-            q_host = torch.empty(q.shape, dtype=torch.float32, pin_memory=True)
-            q_host.copy_(q.detach(), non_blocking=True)
-            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            ready.record()
-        else:
-            q_host = q.detach().float()
+        q_host, ready = self.store.backend.queries_to_host(q)
         return self.pool.submit(self._run, layer, q_host, blocks, scale, ready)
 
     def collect(self, job: Future[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
@@ -131,9 +116,8 @@ class HostAttention:
         return out
 
     def _run(self, layer: int, q: Tensor, blocks: list[tuple[int, ...]], scale: float,
-             ready: torch.cuda.Event | None = None) -> tuple[Tensor, Tensor]:
-        if ready is not None:
-            ready.synchronize()  # the queries have landed (this thread waits, not the round)
+             ready: Callable[[], None]) -> tuple[Tensor, Tensor]:
+        ready()  # the queries have landed (this thread waits, not the round)
         t0 = time.perf_counter()
         try:
             host = self.store.host
@@ -155,11 +139,10 @@ class HostAttention:
         with self._lock:
             self.bytes += nbytes
             self.busy_s += busy
-            if nbytes:
-                self.cost.add(q.shape[1], busy / nbytes)
-        if ready is not None:  # back to the GPU without blocking the compute thread
-            out, lse = out.pin_memory(), lse.pin_memory()
-        return out, lse
+            self._jobs.append((q.shape[1], busy, nbytes))
+        # back to the device without blocking the compute thread
+        backend = self.store.backend
+        return backend.results_from_host(out), backend.results_from_host(lse)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

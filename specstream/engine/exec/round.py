@@ -7,7 +7,7 @@ wave one attention call for every query position of every request in it; the dra
 wait while a wave is still in flight, each landed wave's slot goes to the next copy); then the
 resident tails, causally (a bucket with a token tree: the committed tails, then the new tokens
 under the tree's mask); the partial results merge exactly (online softmax) and the rest of the
-layer runs. Verification (``worker.py``) reads the returned hidden states.
+layer runs. Verification (``verify.py``) reads the returned hidden states.
 
 A token tree's nodes take the KV slots after the root in node order, but their positions (RoPE)
 are the root's plus their depth: siblings are alternatives for the same position.
@@ -22,7 +22,6 @@ are in, the device takes half 0's partials, finishes its layer and projects its 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,97 +31,123 @@ import torch
 from specstream.attention.waves import WaveAttention
 from specstream.backends.base import upload
 from specstream.engine.contract import StepPlan
-from specstream.engine.exec.history import Gap, HistorySource
+from specstream.engine.exec.drafting import Drafting
+from specstream.engine.exec.history import HistorySource
 from specstream.engine.exec.host_attention import HostAttention
 from specstream.engine.exec.step_kv import StepKV
 from specstream.kvcache.storage import KVStore
 from specstream.models.decoder import CausalLM
 
 
+@dataclass(frozen=True)
+class RoundResult:
+    """What the target forward of a step leaves for verification."""
+
+    hidden: torch.Tensor  # [num_tokens, hidden] final (normed) hidden states
+    rows: list[tuple[int, int]]  # each request's rows in them, in plan order
+    failed: dict[str, str]  # requests whose history could not be restored -> message
+    halves: int = 1  # the round ran in this many halves a layer apart
+
+
 @torch.no_grad()
 def run_round(
-    model: CausalLM, plan: StepPlan, store: KVStore, history: HistorySource, gap: Gap | None,
-    attention: type[WaveAttention], copies_issued: Callable[[], None] | None = None,
-    host: HostAttention | None = None,
-) -> tuple[torch.Tensor, list[tuple[int, int]], dict[str, str]]:
-    """Returns the final hidden states ``[num_tokens, hidden]``, each request's rows in them,
-    and the requests whose history could not be restored (request id -> message).
-    ``copies_issued`` runs once the first copies are in flight (the drafter's cue on CUDA)."""
+    model: CausalLM, plan: StepPlan, store: KVStore, history: HistorySource, link_bps: float,
+    drafting: Drafting, attention: type[WaveAttention], host: HostAttention | None = None,
+) -> RoundResult:
+    """The step's target forward pass, layer by layer (see the module docstring)."""
     device = store.device.device
     ids = [t for s in plan.seqs for t in s.token_ids]
     pos = [p for s in plan.seqs for p in s.positions()]
     ids_t, pos_t = upload([ids, pos], torch.long, device)  # no stream sync on a GPU
     assert ids_t is not None and pos_t is not None
-    x, (cos, sin) = model.embed(ids_t, pos_t)
+    x, rope = model.embed(ids_t, pos_t)
     hosted = host is not None and any(s.host_blocks for s in plan.seqs)
     kv = StepKV(plan, store, halves=hosted)
     scale, kv_heads = store.cfg.head_dim**-0.5, store.cfg.num_kv_heads
     on_host = _host_jobs(plan, kv, len(model.layers), device) if hosted else []
     halves = _Halves(kv, on_host, device)
-    history.begin(plan, kv.groups)  # the first waves of cold history are in flight from here
+    proj = _Projection(model, kv, halves, rope, on_host, host, scale)
+    history.begin(plan, kv.groups, link_bps)  # the first waves of cold history in flight
     if host is not None and hosted:
         host.begin_round()  # the host's idle time between layers
-    proj: dict[int, _Projected] = {}  # per layer, filled half by half
-
-    def project(layer: int, half: int) -> None:
-        """The half's q, k, v of ``layer``, and its host jobs submitted at once."""
-        block, rows = model.layers[layer], halves.rows[half]
-        if rows is None:
-            q, k, v = block.qkv(x, cos, sin)  # q [n, heads, D]; k, v [n, kv_heads, D]
-            p = proj[layer] = _Projected(q, k, v, [q] * len(kv.buckets))
-        else:
-            part = block.qkv(x.index_select(0, rows), cos.index_select(0, rows),
-                             sin.index_select(0, rows))
-            if layer not in proj:
-                q, k, v = (t.new_empty((x.shape[0], *t.shape[1:])) for t in part)
-                proj[layer] = _Projected(q, k, v, [q] * len(kv.buckets))
-            p = proj[layer]
-            for full, t in zip((p.q, p.k, p.v), part, strict=True):
-                full.index_copy_(0, rows, t)
-        mine = halves.buckets[half]
-        for b in mine:
-            bucket = kv.buckets[b]
-            p.qs[b] = p.q[bucket.q_index].view(len(bucket.members), bucket.num_q, *p.q.shape[1:])
-        # the host's share first: it has had nothing to do since the last layer's partials
-        if host is not None and on_host:
-            p.jobs += [(b, r, host.submit(layer, p.qs[b].index_select(0, r), blocks, scale))
-                       for b, r, blocks in on_host[layer] if b in mine]
-
     try:
-        if copies_issued is not None:
-            copies_issued()  # e.g. the other group's draft steps, enqueued on their stream
+        drafting.copies_issued()  # e.g. the other group's draft steps, enqueued on their stream
         for half in range(len(halves.buckets)):
-            project(0, half)
+            proj.project(0, half, x)
         for layer, block in enumerate(model.layers):
-            p = proj.pop(layer)
-            k, v = p.k, p.v
-            kv.write(layer, k, v)
+            p = proj.take(layer)
+            kv.write(layer, p.k, p.v)  # the new tokens' K/V into their tail slots
             atts = [attention(qb, kv_heads, scale) for qb in p.qs]
-            for bucket, hk, hv, shape in history.waves(layer, while_waiting=gap):
-                atts[bucket].add(hk, hv, shape)
-            for bucket, att in enumerate(atts):
-                for wave in kv.tail(layer, bucket, k, v):
-                    att.add(*wave)
-            mine = p.jobs
-            for bucket, _, _ in mine:  # the device's partials merged while the host computes
+            for wave in history.waves(layer):  # cold history, in the order it was issued
+                if drafting.gap is not None:  # the other group drafts while it is in flight
+                    drafting.gap(wave.done, history.link_busy_until)
+                bucket, hk, hv, shape = history.landed(wave)
+                atts[bucket].add(hk, hv, shape)  # every query position of every request
+                history.release(wave)  # its staging slot takes the next copy
+            for bucket, att in enumerate(atts):  # the resident tails, causally
+                for tail in kv.tail(layer, bucket, p.k, p.v):
+                    att.add(*tail)
+            for bucket, _, _ in p.jobs:  # the device's partials merged while the host computes
                 atts[bucket].fold()
             # half by half: the host's partials, the rest of the layer, the next layer's
             # queries (so the host attends one half while the device finishes the other)
             for half, buckets in enumerate(halves.buckets):
-                for bucket, rows, job in mine:
+                for bucket, rows, job in p.jobs:
                     if bucket in buckets:
                         assert host is not None
                         out_h, lse_h = host.collect(job)
-                        atts[bucket].add_partial(out_h.to(device, non_blocking=True),
-                                                 lse_h.to(device, non_blocking=True), rows)
+                        back = store.backend.to_device_async
+                        atts[bucket].add_partial(back(out_h, device), back(lse_h, device),
+                                                 rows)
                 x = halves.finish(x, half, block, atts, kv)
                 if layer + 1 < len(model.layers):
-                    project(layer + 1, half)
+                    proj.project(layer + 1, half, x)
     finally:
         if host is not None and hosted:
             host.end_round()
         history.end()
-    return model.norm(x), kv.rows, dict(history.failed)
+    return RoundResult(model.norm(x), kv.rows, dict(history.failed), len(halves.buckets))
+
+
+class _Projection:
+    """Each layer's q, k, v of the step's rows, half by half (a half's next layer is projected
+    as soon as its current one is done), and its host jobs submitted at once."""
+
+    def __init__(self, model: CausalLM, kv: StepKV, halves: _Halves,
+                 rope: tuple[torch.Tensor, torch.Tensor],
+                 on_host: list[list[tuple[int, torch.Tensor, Any]]],
+                 host: HostAttention | None, scale: float) -> None:
+        self.model, self.kv, self.halves, self.rope = model, kv, halves, rope
+        self.on_host, self.host, self.scale = on_host, host, scale
+        self.layers: dict[int, _Projected] = {}  # per layer, filled half by half
+
+    def take(self, layer: int) -> _Projected:
+        return self.layers.pop(layer)
+
+    def project(self, layer: int, half: int, x: torch.Tensor) -> None:
+        block, rows, kv = self.model.layers[layer], self.halves.rows[half], self.kv
+        cos, sin = self.rope
+        if rows is None:
+            q, k, v = block.qkv(x, cos, sin)  # q [n, heads, D]; k, v [n, kv_heads, D]
+            p = self.layers[layer] = _Projected(q, k, v, [q] * len(kv.buckets))
+        else:
+            part = block.qkv(x.index_select(0, rows), cos.index_select(0, rows),
+                             sin.index_select(0, rows))
+            if layer not in self.layers:
+                q, k, v = (t.new_empty((x.shape[0], *t.shape[1:])) for t in part)
+                self.layers[layer] = _Projected(q, k, v, [q] * len(kv.buckets))
+            p = self.layers[layer]
+            for full, t in zip((p.q, p.k, p.v), part, strict=True):
+                full.index_copy_(0, rows, t)
+        mine = self.halves.buckets[half]
+        for b in mine:
+            bucket = kv.buckets[b]
+            p.qs[b] = p.q[bucket.q_index].view(len(bucket.members), bucket.num_q, *p.q.shape[1:])
+        # the host's share first: it has had nothing to do since the last layer's partials
+        if self.host is not None and self.on_host:
+            p.jobs += [(b, r, self.host.submit(layer, p.qs[b].index_select(0, r), blocks,
+                                               self.scale))
+                       for b, r, blocks in self.on_host[layer] if b in mine]
 
 
 @dataclass

@@ -25,7 +25,8 @@ from specstream.attention.waves import WaveShape
 from specstream.backends.base import to_device
 from specstream.engine.contract import SeqWork, StepPlan
 from specstream.kvcache.storage import KVStore
-from specstream.spec.tree import DraftTree, tree_mask
+from specstream.spec.token_tree import DraftTree
+from specstream.spec.tree import tree_mask
 
 
 @dataclass
@@ -122,9 +123,7 @@ class StepKV:
                 tail_shape = None if not having else WaveShape.build(
                     None if len(having) == len(seqs) else having,
                     [offset[w] for w in having], tb * bs, None, device)
-                mask = new_token_mask(seqs, p)
-                if device.type != "cpu":  # pinned and non-blocking, as ``upload``
-                    mask = mask.pin_memory().to(device, non_blocking=True)
+                mask = store.backend.to_device_async(new_token_mask(seqs, p), device)
                 new_shape = WaveShape.build(None, [p] * len(seqs), p, None, device, tree=mask)
             else:
                 tail_shape = WaveShape.build(None, tail_len, tb * bs, offset, device)

@@ -26,6 +26,8 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from specstream.options import Drafting
+
 
 def transfer_s(cold_bytes: float, link_bps: float, seconds_per_byte: float,
                serial_s: float) -> float:
@@ -131,6 +133,19 @@ def expected_tokens(shape: Shape, acc: AcceptanceEstimate) -> float:
     return total
 
 
+@dataclass(frozen=True)
+class HostCosts:
+    """Host attention as measured: seconds per KV byte as a line in a request's query
+    positions, and the device time of a round during which the host has nothing to do."""
+
+    seconds_per_byte: float  # the fixed part
+    seconds_per_byte_per_position: float
+    serial_s: float
+
+    def per_byte(self, positions: int) -> float:
+        return self.seconds_per_byte + self.seconds_per_byte_per_position * positions
+
+
 @dataclass
 class RoundCosts:
     """Seconds a round's parts take, as the engine last measured them (EWMA)."""
@@ -172,9 +187,9 @@ class RoundCosts:
             per_level = num_requests * shape.num_nodes / shape.levels
             draft = shape.levels * (self.draft_level_s + self.draft_per_node_s * per_level)
             draft += self.draft_setup_s
-        if drafting == "gaps":
+        if drafting is Drafting.GAPS:
             return max(link, verify + draft)
-        if drafting == "parallel":
+        if drafting is Drafting.PARALLEL:
             return max(link, verify, draft)
         return max(link, verify) + draft
 

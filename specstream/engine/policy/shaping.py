@@ -37,10 +37,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from specstream.config import EngineConfig
 from specstream.engine.contract import StepOutput, StepPlan
 from specstream.engine.policy.estimators import LineFit
-from specstream.engine.policy.round_shape import AcceptanceEstimate, RoundCosts, Shape, choose
-from specstream.spec.tree import DraftTree
+from specstream.engine.policy.round_shape import (
+    AcceptanceEstimate,
+    HostCosts,
+    RoundCosts,
+    Shape,
+    choose,
+)
+from specstream.options import SpeculativePolicy
+from specstream.spec.token_tree import DraftTree
 
 # The reference implementation's choices of q, and twice its largest for link-bound rounds.
 DEPTHS = (0, 1, 2, 4, 6, 8, 12, 16)
@@ -72,9 +80,18 @@ class RoundShaper:
     # draft's share of the parameters).
     catch_up_token_s: float = 0.0
     catch_up_measured: bool = False
-    # host_attention auto (observe_host): RoundCosts' cold_bytes, link_bps, host seconds per
-    # byte (fixed, per position) and host_serial_s; None while the host has no share
-    host: tuple[float, float, float, float, float] | None = None
+    # host_attention auto (observe_host): a verified request's cold bytes per round, the
+    # link's rate and the host's costs; None while the host has no share
+    host: tuple[float, float, HostCosts] | None = None
+
+    @classmethod
+    def for_config(cls, config: EngineConfig) -> RoundShaper | None:
+        """The policy of ``speculative_policy="auto"`` for ``config`` (None: fixed, or no
+        speculation)."""
+        if not (config.speculative and config.policy is SpeculativePolicy.AUTO):
+            return None
+        return cls(config.q, config.mode_spec.drafting, config.speculative_topk,
+                   config.num_draft_tokens)
 
     def __post_init__(self) -> None:
         # the prior by rank: the first candidate as the model card's per-token figure, the
@@ -165,13 +182,13 @@ class RoundShaper:
         self.observe(link_s, verify_s, 0 if prefill else plan.num_tokens, steps, draft_s,
                      chains, walks)
 
-    def observe_host(self, cold_bytes: float, link_bps: float, cost: tuple[float, float],
-                     serial_s: float) -> None:
+    def observe_host(self, cold_bytes: float, link_bps: float, cost: HostCosts | None) -> None:
         """After a decode round with host attention on: a verified request's cold history,
-        the link's rate, the host's seconds per byte as (fixed, per query position) and the
-        device time the host idles per round. A cost of (0, 0): the host has no share (not
-        measured, or the round is compute-bound), and the round's history is the link's."""
-        self.host = (cold_bytes, link_bps, *cost, serial_s) if any(cost) else None
+        the link's rate and the host's costs. None: the host has no share (not measured, or
+        the round is compute-bound), and the round's history is the link's."""
+        has = cost is not None and bool(cost.seconds_per_byte
+                                        or cost.seconds_per_byte_per_position)
+        self.host = (cold_bytes, link_bps, cost) if has and cost is not None else None
 
     def prior_catch_up(self, token_s: float) -> None:
         """The engine's estimate of the draft's time per token caught up on, used until a
@@ -190,9 +207,10 @@ class RoundShaper:
         da, db = self.draft.coef()
         host = {}
         if self.host is not None:
-            cold, link_bps, ha, hb, serial = self.host
-            host = dict(cold_bytes=cold, link_bps=link_bps, host_s_per_byte=ha,
-                        host_s_per_byte_per_position=hb, host_serial_s=serial)
+            cold, link_bps, c = self.host
+            host = dict(cold_bytes=cold, link_bps=link_bps, host_s_per_byte=c.seconds_per_byte,
+                        host_s_per_byte_per_position=c.seconds_per_byte_per_position,
+                        host_serial_s=c.serial_s)
         return RoundCosts(link_s=self.link_s, verify_base_s=va, verify_per_position_s=vb,
                           draft_level_s=da, draft_per_node_s=db,
                           draft_setup_s=self._catch_up_s(catch_up), **host)

@@ -19,6 +19,16 @@ shape, so the tree size and the split are chosen together.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
+from typing import Protocol
+
+from specstream.config import EngineConfig
+from specstream.engine.contract import SeqWork
+from specstream.engine.policy.feedback import Estimates
+
+# host_attention "auto": the host's share of each request's cold blocks until the link and
+# the host have both been measured
+UNMEASURED_HOST_SHARE = 0.25
 
 
 def split_for_host(blocks: Sequence[int], seconds_per_byte: Sequence[float], block_bytes: int,
@@ -47,3 +57,70 @@ def by_layer(blocks: float, num_layers: int) -> tuple[int, ...]:
     between two block counts alternates between them from layer to layer."""
     return tuple(round((layer + 1) * blocks) - round(layer * blocks)
                  for layer in range(num_layers))
+
+
+class HostSplitter(Protocol):
+    """How many of each request's cold blocks the host attends in a step, and per layer: the
+    scheduler's public seam for the split (``MeasuredSplit`` by default; tests and ablations
+    give their own)."""
+
+    def counts(self, seqs: Sequence[SeqWork], blocks: Sequence[int],
+               est: Estimates) -> list[float]:
+        """Per request, the host's share of its ``blocks`` cold blocks (fractions: layers
+        take whole blocks in turn)."""
+        ...
+
+    def by_layer(self, blocks: float, num_layers: int) -> tuple[int, ...]:
+        """That share as whole blocks per layer."""
+        ...
+
+
+class MeasuredSplit:
+    """The configured split: a fixed ``host_attention_fraction`` of every request's cold
+    blocks, or under ``host_attention="auto"`` the split that lets the link and the host
+    finish together from their measured rates (a quarter of each until both are measured);
+    none where the last decode round was compute-bound."""
+
+    def __init__(self, config: EngineConfig, block_bytes: int) -> None:
+        self.fraction = config.host_attention_fraction
+        self.block_bytes = block_bytes
+
+    def counts(self, seqs: Sequence[SeqWork], blocks: Sequence[int],
+               est: Estimates) -> list[float]:
+        if self.fraction is not None:
+            return [self.fraction * n for n in blocks]
+        if not est.host_pays:  # compute-bound: moving history off the link buys nothing
+            return [0.0] * len(blocks)
+        host = est.host
+        cost = [host.per_byte(len(s.token_ids)) if host is not None else 0.0 for s in seqs]
+        if not (est.link_bps and all(cost) and self.block_bytes):
+            return [UNMEASURED_HOST_SHARE * n for n in blocks]
+        assert host is not None
+        return split_for_host(blocks, cost, self.block_bytes, est.link_bps, host.serial_s)
+
+    def by_layer(self, blocks: float, num_layers: int) -> tuple[int, ...]:
+        return by_layer(blocks, num_layers)
+
+
+def split_steps(seqs: list[SeqWork], splitter: HostSplitter, est: Estimates, num_layers: int,
+                per_chunk: int) -> tuple[list[SeqWork], float | None]:
+    """Each request's cold blocks: the oldest ones the splitter gives the host
+    (``host_blocks``, per layer ``host_layers``), the rest over the link
+    (``restore_chunks``, re-cut into chunks of ``per_chunk`` blocks); and the host's share of
+    the step's cold blocks (None: the step has none)."""
+    cold = [[b for c in s.restore_chunks for b in c] for s in seqs]
+    total = sum(map(len, cold))
+    if not total:
+        return seqs, None
+    counts = splitter.counts(seqs, [len(c) for c in cold], est)
+    out = []
+    for s, blocks, x in zip(seqs, cold, counts, strict=True):
+        n_by_layer = splitter.by_layer(x, num_layers)
+        n = max(n_by_layer)
+        if n:
+            s = replace(s, host_blocks=tuple(blocks[:n]),
+                        host_layers=n_by_layer if min(n_by_layer) < n else (),
+                        restore_chunks=tuple(tuple(blocks[i : i + per_chunk])
+                                             for i in range(n, len(blocks), per_chunk)))
+        out.append(s)
+    return out, sum(counts) / total

@@ -144,7 +144,7 @@ def run_ray_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from specstream.server.cli import _is_loopback
+    from specstream.server.cli import is_loopback
 
     address = args.address or os.environ.get("RAY_ADDRESS")
     if address:
@@ -152,7 +152,7 @@ def run_ray_serve(args: argparse.Namespace) -> int:
     else:  # a local cluster; logical CPUs may exceed cores (replicas cap their threads)
         need = args.replicas * args.replica_cpus + args.ingress_cpus
         ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)))
-    if not _is_loopback(args.host) and not args.api_key:
+    if not is_loopback(args.host) and not args.api_key:
         print(f"specstream: warning: serving on {args.host} without --api-key", file=sys.stderr)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})

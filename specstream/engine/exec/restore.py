@@ -1,0 +1,136 @@
+"""``restore``, the offloading baseline: before a layer attends, that layer's whole history of
+the batch is on the device; the next layer's restore is issued while this one computes, so the
+link never waits on a competent schedule, but attention waits for the whole layer."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from specstream.attention.waves import WaveShape
+from specstream.backends.base import TransferError, TransferHandle, to_device
+from specstream.engine.contract import StepPlan
+from specstream.engine.exec.history import SOURCES, HistorySource, InFlight, Wave
+
+
+@dataclass
+class _Landed(InFlight):
+    """A wave already on the device (restored layers)."""
+
+    wave: Wave
+
+    def done(self) -> bool:
+        return True
+
+
+@SOURCES.register("restore")
+class LayerRestore(HistorySource):
+    """Whole-layer restore with one layer of prefetch: two layers of the step's history on the
+    device at a time, in the pool blocks the scheduler lent the step (``plan.restore_blocks``;
+    every layer plane of a lent block is a slot for one block of history, so a request's layer
+    history may come as a few pieces, each a one-request wave, merged exactly)."""
+
+    def begin(self, plan: StepPlan, buckets: list[list[int]], link_bps: float = 0.0) -> None:
+        super().begin(plan, buckets, link_bps)
+        self.offsets: list[int] = []
+        total = 0
+        for s in plan.seqs:  # each request's slots: room for its largest layer
+            self.offsets.append(total)
+            total += s.max_link_blocks
+        self.total_blocks = total
+        self.slots = plan.restore_blocks
+        self.handles: dict[int, list[list[TransferHandle]]] = {}
+        self.shapes: dict[tuple[int, int, int], WaveShape] = {}
+        self.restored_layer = -1
+        if total:
+            assert 2 * total <= len(self.slots) * self.store.cfg.num_layers, "too few lent blocks"
+            self._issue(0)
+
+    def _runs(self, layer: int, index: int) -> list[tuple[int, int, int, int]]:
+        """Where request ``index``'s history of ``layer`` lives: runs of (first history block,
+        length, layer plane, first pool block), consecutive pool blocks within one plane."""
+        n = len(self._blocks(layer, index))
+        m, slot0 = len(self.slots), (layer % 2) * self.total_blocks + self.offsets[index]
+        runs, t = [], 0
+        while t < n:
+            plane, col = divmod(slot0 + t, m)
+            length = 1
+            while (t + length < n and col + length < m
+                   and self.slots[col + length] == self.slots[col] + length):
+                length += 1
+            runs.append((t, length, plane, self.slots[col]))
+            t += length
+        return runs
+
+    def _blocks(self, layer: int, index: int) -> tuple[int, ...]:
+        """The history blocks of request ``index`` that ``layer`` restores."""
+        return self.plan.seqs[index].layer_link_blocks(layer)
+
+    def _issue(self, layer: int) -> None:
+        if layer >= self.store.cfg.num_layers or not self.total_blocks:
+            return
+        per_seq = []
+        for i, s in enumerate(self.plan.seqs):
+            blocks = self._blocks(layer, i)
+            handles = []
+            for t, length, plane, first in self._runs(layer, i):
+                dst = self.store.device[plane, :, first : first + length]
+                handles += self.store.restore(layer, blocks[t : t + length], dst, s.request_id)
+            per_seq.append(handles)
+        self.handles[layer] = per_seq
+
+    def _shape(self, layer: int, index: int, run: int, num_keys: int) -> WaveShape:
+        key = (layer % 2, index, run)
+        if key not in self.shapes:
+            self.shapes[key] = WaveShape.build(
+                [self.where[index][1]], [num_keys], num_keys, None, self.store.device.device)
+        return self.shapes[key]
+
+    def landed(self, wave: InFlight) -> Wave:
+        assert isinstance(wave, _Landed)
+        return wave.wave
+
+    def waves(self, layer: int) -> Iterator[InFlight]:
+        if not self.total_blocks:
+            return
+        # full restore of the layer before any attention on it; then prefetch the next one
+        t0 = time.perf_counter()
+        for handles in self.handles.pop(layer):
+            for h in handles:
+                try:
+                    h.wait()
+                except TransferError as exc:
+                    self._fail(exc)
+        self.wait_s += time.perf_counter() - t0
+        self._issue(layer + 1)
+        self._promote(layer)
+        cfg, bs = self.store.cfg, self.store.block_size
+        for i, seq in enumerate(self.plan.seqs):
+            if not seq.host_tokens or seq.request_id in self.failed:
+                continue
+            for r, (_, length, plane, first) in enumerate(self._runs(layer, i)):
+                kv = self.store.device[plane, :, first : first + length]  # [2, n, bs, kv, D]
+                kv = kv.reshape(2, 1, length * bs, cfg.num_kv_heads, cfg.head_dim)
+                yield _Landed((self.where[i][0], kv[0], kv[1],
+                               self._shape(layer, i, r, length * bs)))
+
+    def _promote(self, layer: int) -> None:
+        """Copy this layer of promoted blocks from the lent slots into their device blocks."""
+        device = self.store.device
+        for i, seq in enumerate(self.plan.seqs):
+            if not seq.promote or seq.request_id in self.failed:
+                continue
+            n = len(self._blocks(layer, i))
+            lo = n - len(seq.promote)  # the first promoted history block
+            for t, length, plane, first in self._runs(layer, i):
+                a, b = max(t, lo), min(t + length, n)
+                if a >= b:
+                    continue
+                dst = to_device(seq.promote[a - lo : b - lo], torch.long, device.device)
+                device[layer].index_copy_(1, dst, device[plane, :, first + a - t : first + b - t])
+
+    def end(self) -> None:
+        self.handles = {}

@@ -1,0 +1,178 @@
+"""``stream`` (SpecStream): chunk waves through a staging ring (see history.py for the waves'
+life: issued, landed, released)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from specstream.attention.waves import WaveShape
+from specstream.backends.base import BatchTag, TransferError, TransferHandle, to_device
+from specstream.engine.contract import StepPlan
+from specstream.engine.exec.history import SOURCES, HistorySource, InFlight, Wave
+from specstream.kvcache.storage import KVStore
+
+
+@dataclass
+class _WaveCopy:
+    """One chunk wave's copy, the same for every layer: which host blocks go where."""
+
+    bucket: int
+    index: torch.Tensor  # [n] host blocks, request after request
+    rows: torch.Tensor | None  # [n] slot rows they land in (None: 0 .. n-1)
+    shape: WaveShape
+    tag: BatchTag
+    num_requests: int
+    # promoted blocks in the wave: their rows in the wave's regions, and their device blocks
+    promote_rows: torch.Tensor | None = None
+    promote_dst: torch.Tensor | None = None
+
+
+@dataclass
+class _Copy(InFlight):
+    """A chunk wave issued into the staging ring: its layer, what it copies, where."""
+
+    layer: int
+    copy: _WaveCopy
+    first: int  # its first staging region
+    handle: TransferHandle
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+
+@SOURCES.register("stream")
+class ChunkStream(HistorySource):
+    """All chunk waves of the step, layer-major, through a ring of wave-sized staging slots."""
+
+    def __init__(self, store: KVStore, chunk_tokens: int, staging_buffers: int,
+                 wave_requests: int = 8) -> None:
+        super().__init__(store, chunk_tokens, staging_buffers, wave_requests)
+        cfg = store.cfg
+        self.chunk_blocks = chunk_tokens // store.block_size
+        # The ring holds staging_buffers x wave_requests chunk regions; a wave of w requests
+        # takes w consecutive ones, so narrow waves (a lone prefill chunk, a small bucket) keep
+        # as many chunks in flight as wide ones keep bytes.
+        self.num_regions = staging_buffers * wave_requests
+        shape = (2, self.num_regions * self.chunk_blocks, store.block_size, cfg.num_kv_heads,
+                 cfg.head_dim)
+        # zeroed: a ragged wave leaves rows of a region unwritten (masked, so finite is enough)
+        self.ring = store.backend.alloc_device(shape, store.dtype).zero_()
+        self.ring_rows = self.ring.transpose(0, 1)  # as rows of blocks
+        self.ring_bytes = staging_buffers * wave_requests * chunk_tokens * store.layer_token_bytes
+        self.block_layer_bytes = store.block_size * store.layer_token_bytes
+
+    def _plan_waves(self, plan: StepPlan, buckets: list[list[int]], layer: int
+                    ) -> list[_WaveCopy]:
+        copies = []
+        cb, bs, device = self.chunk_blocks, self.store.block_size, self.store.device.device
+        chunks_of = [s.layer_chunks(layer, cb) for s in plan.seqs]
+        for b, members in enumerate(buckets):
+            depth = max((len(chunks_of[i]) for i in members), default=0)
+            for j in range(depth):
+                having = [p for p, i in enumerate(members) if len(chunks_of[i]) > j]
+                for w0 in range(0, len(having), self.wave_requests):
+                    part = having[w0 : w0 + self.wave_requests]
+                    chunks = [chunks_of[members[p]][j] for p in part]
+                    lens = [len(c) for c in chunks]
+                    ragged = any(n != cb for n in lens)
+                    rows = ([w * cb + t for w, n in enumerate(lens) for t in range(n)]
+                            if ragged else None)
+                    p_rows, p_dst = [], []  # promoted blocks: the request's newest
+                    for w, p in enumerate(part):
+                        s = plan.seqs[members[p]]
+                        if not s.promote:
+                            continue
+                        lo = sum(len(c) for c in chunks_of[members[p]]) - len(s.promote)
+                        for t in range(max(0, lo - j * cb), lens[w]):
+                            p_rows.append(w * cb + t)
+                            p_dst.append(s.promote[j * cb + t - lo])
+                    copies.append(_WaveCopy(
+                        b, torch.tensor([x for c in chunks for x in c], dtype=torch.long),
+                        None if rows is None else torch.tensor(rows, dtype=torch.long),
+                        WaveShape.build(None if part == list(range(len(members))) else part,
+                                        [n * bs for n in lens], cb * bs, None, device),
+                        BatchTag(plan.seqs[members[p]].request_id for p in part), len(part),
+                        to_device(p_rows, torch.long, device) if p_rows else None,
+                        to_device(p_dst, torch.long, device) if p_dst else None))
+        return copies
+
+    def begin(self, plan: StepPlan, buckets: list[list[int]], link_bps: float = 0.0) -> None:
+        super().begin(plan, buckets, link_bps)
+        # layers with the same split (host_layers) share one plan of waves
+        plans: dict[tuple[int, ...], list[_WaveCopy]] = {}
+        self.jobs: deque[tuple[int, _WaveCopy]] = deque()
+        for layer in range(self.store.cfg.num_layers):
+            key = tuple(s.host_layers[layer] if s.host_layers else -1 for s in plan.seqs)
+            if key not in plans:
+                plans[key] = self._plan_waves(plan, buckets, layer)
+            self.jobs.extend((layer, c) for c in plans[key])
+        self.pending: deque[_Copy] = deque()  # issued, not consumed, in order
+        self.in_use: deque[tuple[int, int]] = deque()  # (first region, regions), issue order
+        self.head = 0  # where the next wave's regions start, if free
+        if self.jobs:
+            self.peak_bytes = self.ring_bytes
+        self._fill()
+
+    def _regions(self, count: int) -> int | None:
+        """The first of ``count`` free consecutive regions at the ring's head (from region 0
+        when the end is too short), or None while a wave still in flight holds them."""
+        start = self.head if self.head + count <= self.num_regions else 0
+        if any(s < start + count and start < s + n for s, n in self.in_use):
+            return None
+        return start
+
+    def _fill(self) -> None:
+        cb = self.chunk_blocks
+        while self.jobs:
+            layer, copy = self.jobs[0]
+            first = self._regions(copy.num_requests)
+            if first is None:
+                return
+            self.jobs.popleft()
+            self.in_use.append((first, copy.num_requests))
+            self.head = first + copy.num_requests
+            dst = self.ring_rows[first * cb : self.head * cb]
+            handle = self.store.restore_rows(layer, copy.index, dst, copy.tag, copy.rows)
+            # when the link should be done with everything issued (from the rate estimate)
+            start = max(time.perf_counter(), self.link_busy_until)
+            nbytes = copy.index.numel() * self.block_layer_bytes
+            self.link_busy_until = start + nbytes / self.link_bps
+            self.pending.append(_Copy(layer, copy, first, handle))
+
+    def waves(self, layer: int) -> Iterator[InFlight]:
+        last: _Copy | None = None
+        while self.pending and self.pending[0].layer == layer:
+            assert self.pending[0] is not last, "take each wave (landed) before the next"
+            last = self.pending[0]
+            yield last
+
+    def landed(self, wave: InFlight) -> Wave:
+        assert isinstance(wave, _Copy) and wave is self.pending[0], "waves land in order"
+        self.pending.popleft()
+        t0 = time.perf_counter()
+        try:
+            wave.handle.wait()
+        except TransferError as exc:
+            self._fail(exc)
+        self.wait_s += time.perf_counter() - t0
+        copy, cfg = wave.copy, self.store.cfg
+        w, cb = copy.num_requests, self.chunk_blocks
+        buf = self.ring[:, wave.first * cb : (wave.first + w) * cb]  # [2, w * cb, bs, kv, D]
+        if copy.promote_dst is not None and copy.promote_rows is not None:
+            # queued before the regions are refilled (``release``)
+            self.store.device[wave.layer].index_copy_(
+                1, copy.promote_dst, buf.index_select(1, copy.promote_rows))
+        kv = buf.reshape(2, w, cb * self.store.block_size, cfg.num_kv_heads, cfg.head_dim)
+        return copy.bucket, kv[0], kv[1], copy.shape
+
+    def release(self, wave: InFlight) -> None:
+        self.in_use.popleft()  # regions are handed back in issue order
+        self._fill()
+
+    def end(self) -> None:
+        assert not self.pending and not self.jobs, "stream left waves unconsumed"

@@ -1,0 +1,75 @@
+"""What a step measured, read off the backend's link records and the host attention's
+counters (``StepMeasures``), and the step's residency before it ran (its history floor, the
+device blocks holding history)."""
+
+from __future__ import annotations
+
+import time
+
+from specstream.backends.base import TransferBackend
+from specstream.engine.contract import StepMeasures, StepOutput, StepPlan, is_decode_step
+from specstream.engine.exec.host_attention import HostAttention
+from specstream.engine.stats import EngineStats
+from specstream.engine.trace import Tracer
+from specstream.kvcache.manager import KVManager
+from specstream.kvcache.storage import KVStore
+
+
+class StepMeter:
+    """Reads each step's measurements; adds the link's bytes by direction to ``stats``."""
+
+    def __init__(self, backend: TransferBackend, store: KVStore, kv: KVManager,
+                 host: HostAttention | None, stats: EngineStats, tracer: Tracer) -> None:
+        self.backend, self.store, self.kv, self.host = backend, store, kv, host
+        self.stats, self.tracer = stats, tracer
+        self.block_size, self.num_layers = store.block_size, store.cfg.num_layers
+
+    def residency(self, plan: StepPlan) -> tuple[int, float]:
+        """The step's history floor (bytes of its requests' history that cannot be resident
+        given the device budget: with K tokens of KV in all running requests and room for C on
+        the device, a 1 - C/K share of every request's history must cross the link, whichever
+        requests keep what) and the fraction of device KV blocks holding history."""
+        kv, bs = self.kv, self.block_size
+        held = 0
+        total = 0
+        for seq in kv.seqs.values():
+            total += seq.num_tokens
+            held += -(-(seq.num_tokens - seq.first * bs) // bs)
+        num_blocks = kv.device.num_blocks
+        capacity = num_blocks * bs
+        history = sum(s.start_pos for s in plan.seqs)
+        share = max(0.0, 1.0 - capacity / total) if total else 0.0
+        floor = int(history * share) * self.store.block_bytes // bs
+        return floor, held / num_blocks if num_blocks else 0.0
+
+    def measure(self, plan: StepPlan, result: StepOutput) -> StepMeasures:
+        """The step's link records (merged busy time, bytes by direction) and host attention
+        counters, as one record."""
+        end = time.perf_counter()
+        records = self.backend.busy_intervals()
+        self.backend.reset_stats()
+        busy, cur = 0.0, (0.0, 0.0)
+        for r in records:
+            if r.direction == "h2d":
+                self.stats.link_bytes_h2d += r.nbytes
+            else:
+                self.stats.link_bytes_d2h += r.nbytes
+            self.tracer.add(f"link {r.direction}", str(r.tag), r.start, r.end, bytes=r.nbytes)
+            if r.start > cur[1]:
+                busy += cur[1] - cur[0]
+                cur = (r.start, r.end)
+            else:
+                cur = (cur[0], max(cur[1], r.end))
+        busy += cur[1] - cur[0]
+        host = self.host
+        busy_h, wait_h, serial_h, jobs = host.since_last() if host else (0.0, 0.0, 0.0, ())
+        layers = self.num_layers
+        return StepMeasures(
+            wall_s=end - result.start, wait_s=result.wait_s, draft_s=result.draft_s,
+            link_busy_s=busy, link_bytes=sum(r.nbytes for r in records),
+            history_bytes=sum(r.nbytes for r in records if r.direction == "h2d"),
+            prefill_tokens=sum(len(s.token_ids) for s in plan.seqs if s.prefill),
+            decode=is_decode_step(plan, result), host_attends=host is not None,
+            host_bytes=sum(s.host_bytes(self.store.block_bytes, layers) for s in plan.seqs),
+            host_busy_s=busy_h, host_wait_s=wait_h, host_serial_s=serial_h, host_jobs=jobs,
+            halves=result.halves)

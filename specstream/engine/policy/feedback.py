@@ -1,0 +1,111 @@
+"""Measurement feedback: every step's measurements go in here, frozen ``Estimates`` come out.
+
+The engine (and the simulator's replay, which drives the same object) hands each step's plan,
+output and ``StepMeasures`` to ``RoundFeedback.observe``; the scheduler reads what it needs of
+them only from the ``Estimates`` it is handed before the next step. Everything the engine
+learns from timing lives here: the link's rate, a prefill chunk's compute, the host
+attention's cost per byte and its idle time, whether a round is link-bound, and (through the
+round-shape policy it feeds, ``RoundShaper``) the verification, draft and acceptance models.
+Pure Python: numbers in, numbers out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specstream.config import EngineConfig
+from specstream.engine.contract import StepMeasures, StepOutput, StepPlan
+from specstream.engine.policy.estimators import Ewma, LineFit
+from specstream.engine.policy.round_shape import HostCosts
+from specstream.engine.policy.shaping import RoundShaper
+
+
+@dataclass(frozen=True)
+class Estimates:
+    """What the scheduler knows of the machine before a step (zeros: not measured yet)."""
+
+    # The link's bytes/s: the emulated rate where one is set, else measured on busy copies.
+    link_bps: float = 0.0
+    # Compute seconds of a step that carried a prefill chunk.
+    prefill_chunk_s: float = 0.0
+    # host_attention: the host's measured costs (None: nothing measured yet).
+    host: HostCosts | None = None
+    # Whether the last decode round with cold history was link-bound (streaming all of it
+    # would take longer than its compute): only then does the host get a share.
+    host_pays: bool = True
+
+
+class RoundFeedback:
+    """Takes every step's measurements and keeps the estimates current (``Ewma`` averages and
+    ``LineFit`` lines, nothing hand-rolled elsewhere)."""
+
+    def __init__(self, config: EngineConfig, shaper: RoundShaper | None = None,
+                 draft_share: float = 0.0, link_bps: float | None = None) -> None:
+        """``shaper``: the round-shape policy the scheduler consults (fed here);
+        ``draft_share``: the draft model's share of the target's parameters (its first
+        estimate of a token's catching-up cost, from the target's prefill); ``link_bps``: the
+        link's rate where it is known (the simulator's), else the emulated one
+        (``link_gbps``), else measured."""
+        known = link_bps or (config.link_gbps * 1e9 if config.link_gbps else 0.0)
+        self.emulated_bps = known
+        self.shaper, self.draft_share = shaper, draft_share
+        # a first guess until copies are measured (the emulated rate where one is set)
+        self.link = Ewma(value=self.emulated_bps or 10e9)
+        self.prefill_chunk = Ewma()
+        self.host_cost = LineFit(decay=0.98)  # seconds per byte against query positions
+        self.host_serial = Ewma()
+        self.host_pays = True
+
+    @property
+    def link_bps(self) -> float:
+        """The link's rate: the emulated one where set, else the measured estimate."""
+        return self.emulated_bps or self.link.value
+
+    def estimates(self) -> Estimates:
+        host = None
+        if self.host_cost.n:
+            a, b = self.host_cost.coef()
+            host = HostCosts(a, b, self.host_serial.value)
+        return Estimates(self.link_bps, self.prefill_chunk.value, host, self.host_pays)
+
+    def observe(self, plan: StepPlan, out: StepOutput, m: StepMeasures) -> None:
+        """One step, as it ran."""
+        if m.link_bytes >= 1 << 20 and m.link_busy_s > 0:  # a few tiny copies say little
+            self.link.add(m.link_bytes / m.link_busy_s)
+        for positions, seconds, nbytes in m.host_jobs:
+            if nbytes:
+                self.host_cost.add(positions, seconds / nbytes)
+        if not (m.decode or m.prefill_tokens):
+            return  # nothing was done
+        if m.prefill_tokens:
+            self.prefill_chunk.add(m.compute_s)
+        self._observe_host(plan, m)
+        shaper = self.shaper
+        if shaper is None:
+            return
+        if m.prefill_tokens:
+            shaper.prior_catch_up(m.compute_s / m.prefill_tokens * self.draft_share)
+        if m.decode:
+            # verification: the time neither blocked on the link (nor on the host's partials)
+            # nor drafting
+            verify = max(0.0, m.wall_s - m.host_wait_s - m.wait_s - m.draft_s)
+            shaper.observe_step(plan, out, m.link_busy_s, verify, m.draft_s,
+                                bool(m.prefill_tokens))
+
+    def _observe_host(self, plan: StepPlan, m: StepMeasures) -> None:
+        """After a decode round with cold history: whether it is link-bound (streaming all of
+        it, what the host attended included, would take longer than the device's compute, its
+        wait for the host excluded), the host's idle time, and what the round-shape policy
+        weighs its shapes' host time with."""
+        cold = m.history_bytes + m.host_bytes
+        if not (m.decode and cold and m.host_attends):
+            return
+        self.host_pays = cold / self.link_bps > m.compute_s - m.host_wait_s
+        if m.host_bytes:
+            self.host_serial.add(m.host_serial_s)
+        if self.shaper is not None:
+            verified = sum(1 for s in plan.seqs if s.sample and not s.prefill)
+            cost = self.host_cost.coef() if self.host_pays and self.host_cost.n else None
+            self.shaper.observe_host(
+                cold / max(1, verified), self.link_bps,
+                None if cost is None else HostCosts(*cost, self.host_serial.value))

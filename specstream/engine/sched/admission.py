@@ -1,0 +1,156 @@
+"""Admission against the KV budgets: what a request reserves, and who may start now.
+
+A request reserves, at admission, the device blocks its resident tail can ever need and the
+host blocks its history can ever need (prompt + max_tokens), so an admitted request never runs
+out of memory mid-way: when memory runs short new requests wait; nothing admitted is dropped.
+The `restore` modes also reserve each request's share of the pool blocks a step lends to hold
+two layers of its history (the one attended, the next one prefetched).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from specstream.config import EngineConfig
+from specstream.engine.request import Request, Status
+from specstream.kvcache.manager import BlockCopy, KVManager
+
+
+@dataclass
+class Reservation:
+    device_blocks: int  # the steady tail
+    host_blocks: int  # the whole history
+    restore_blocks: int = 0  # `restore` modes: its share of the two layers a step restores
+
+    @property
+    def device_total(self) -> int:
+        return self.device_blocks + self.restore_blocks
+
+
+class Admission:
+    def __init__(self, config: EngineConfig, kv: KVManager, restore_layers: int | None) -> None:
+        self.config, self.kv = config, kv
+        # `restore` modes: the model's layer count (a request's share of the lent room is
+        # 2 / layers of its host blocks); None otherwise
+        self.restore_layers = restore_layers
+        self.reserved: dict[str, Reservation] = {}
+        self.reserved_device = 0
+        self.reserved_host = 0
+
+    @property
+    def scratch_blocks(self) -> int:
+        """Blocks kept free for prefill chunks beyond the tails' steady size (offload modes)."""
+        if not self.kv.policy.offload:
+            return 0
+        want = -(-self.config.max_prefill_tokens // self.config.block_size) + 1
+        # two blocks guarantee progress; chunks grow into whatever else is free
+        return min(want, max(2, self.kv.device.num_blocks // 4))
+
+    def reservation(self, req: Request) -> Reservation:
+        """Device blocks of the request's steady tail; host blocks of its whole history."""
+        total = len(req.prompt_token_ids) + req.params.max_tokens
+        bs, p = self.config.block_size, self.kv.policy
+        step = self.config.verify_tokens
+        if p.fill:  # the tail is the minimum; blocks beyond it are shared (sched/residency)
+            tail = min(p.resident_tail_tokens, total) + step
+        elif p.offload:
+            tail = max(min(total, p.offload_after_tokens), p.resident_tail_tokens + bs) + step
+            tail = min(tail, total + step)
+        else:
+            tail = total + step
+        streamed = max(0, (total - p.resident_tail_tokens) // bs) if p.offload else 0
+        return Reservation(-(-tail // bs) + 1, self.kv.host_blocks_needed(total),
+                           self.restore_blocks(streamed))
+
+    def restore_blocks(self, host_blocks: int) -> int:
+        """Pool blocks that hold two layers of ``host_blocks`` blocks of history."""
+        layers = self.restore_layers
+        return -(-2 * host_blocks // layers) if layers else 0
+
+    def outstanding(self) -> int:
+        """Blocks that admitted requests may still claim from the free pool (`tail`)."""
+        held = {rid: len(s.device_blocks) for rid, s in self.kv.seqs.items()}
+        return sum(max(0, r.device_blocks - held.get(rid, 0)) + r.restore_blocks
+                   for rid, r in self.reserved.items())
+
+    def prefill_room(self, req: Request, step_room: int) -> int:
+        """Tokens a prefill chunk of ``req`` may write now without touching others' reserve
+        (`fill`: the free blocks beyond the step's working room ``step_room``, which the
+        residency made at least the prefill scratch)."""
+        rid, bs = req.request_id, self.config.block_size
+        seq = self.kv.seqs.get(rid)
+        held = len(seq.device_blocks) if seq else 0
+        if self.kv.policy.fill:
+            blocks = max(0, self.kv.device.num_free - step_room)
+        else:
+            own = max(0, self.reserved[rid].device_blocks - held)
+            blocks = own + max(0, self.kv.device.num_free - self.outstanding())
+        tail = req.num_computed_tokens - (seq.first * bs if seq else 0)
+        return blocks * bs + (held * bs - tail)
+
+    def check_fits(self, req: Request) -> None:
+        """Raise if the request could never be admitted, even on an idle engine."""
+        r = self.reservation(req)
+        if r.device_total + self.scratch_blocks > self.kv.device.num_blocks:
+            p = self.kv.policy
+            if p.fill:
+                remedy = (f"or lower resident_tail_tokens (now {p.resident_tail_tokens}: "
+                          "every request keeps at least that many tokens on the device)")
+            elif p.offload:
+                remedy = (f"or lower offload_after_tokens (now {p.offload_after_tokens}: the "
+                          "device keeps a request's KV until it passes that many tokens)")
+            else:
+                remedy = "or use an offloading mode"
+            if r.restore_blocks:
+                remedy += (f"; {r.restore_blocks} of them hold two restored layers of its "
+                           "history (a streaming mode needs none)")
+            raise ValueError(
+                f"request needs {r.device_total + self.scratch_blocks} device KV blocks but the "
+                f"device budget holds {self.kv.device.num_blocks}; raise device_kv_bytes "
+                + remedy)
+        if r.host_blocks > self.kv.host.num_blocks:
+            raise ValueError(
+                f"request needs {r.host_blocks} host KV blocks but host_kv_bytes holds "
+                f"{self.kv.host.num_blocks}"
+            )
+
+    def admit(self, waiting: deque[Request], running: list[Request]) -> list[BlockCopy]:
+        """Move the waiting requests whose reservations fit into ``running`` (first come,
+        first served); returns the prefix-cache copies their first step makes."""
+        copies: list[BlockCopy] = []
+        while waiting and len(running) < self.config.max_num_seqs:
+            req = waiting[0]
+            r = self.reservation(req)
+            limit = self.kv.device.num_blocks - self.scratch_blocks
+            if (self.reserved_device + r.device_total > limit
+                    or self.reserved_host + r.host_blocks > self.kv.host.num_blocks):
+                break
+            if not self.kv.policy.offload and self.kv.device.num_free < r.device_blocks - 1:
+                break  # cached blocks a prefix hit of this step copies from: next step
+            waiting.popleft()
+            if not self.kv.policy.offload:
+                # resident: hold the whole reservation now, as one run of consecutive blocks
+                self.kv.allocate(req.request_id, (r.device_blocks - 1) * self.config.block_size)
+            # a prefix-cache hit: copies, not prefill (not with prompt_logprobs, which need
+            # the logits of every prompt position, as vLLM)
+            if not req.num_computed_tokens and req.params.prompt_logprobs is None:
+                hit, hit_copies = self.kv.adopt_prefix(req.request_id, req.prompt_token_ids)
+                req.num_computed_tokens = req.num_cached_tokens = hit
+                copies += hit_copies
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.perf_counter()
+            self.reserved[req.request_id] = r
+            self.reserved_device += r.device_total
+            self.reserved_host += r.host_blocks
+            req.status = Status.RUNNING
+            running.append(req)
+        return copies
+
+    def release(self, rid: str) -> None:
+        """A request ended: its reservation is free for others."""
+        r = self.reserved.pop(rid, None)
+        if r is not None:
+            self.reserved_device -= r.device_total
+            self.reserved_host -= r.host_blocks

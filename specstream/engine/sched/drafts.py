@@ -1,0 +1,117 @@
+"""Who drafts in a step, and how many drafts: the scheduler's side of speculation.
+
+Each step the round-shape policy (``speculative_policy="auto"``, ``policy/shaping.py``) picks
+the drafts' shape for the requests it verifies; this planner turns it into ``DraftWork``: the
+requests not verified in the step and still without drafts draft while it runs (the other
+group, in the two-group modes), the ones it verifies draft right after, from the tokens their
+verification emits.
+"""
+
+from __future__ import annotations
+
+from specstream.config import EngineConfig
+from specstream.engine.contract import DraftWork, SeqWork
+from specstream.engine.policy.round_shape import Shape
+from specstream.engine.policy.shaping import RoundShaper
+from specstream.engine.request import Request
+from specstream.options import DraftCache, Proposer
+
+
+class DraftPlanner:
+    def __init__(self, config: EngineConfig, shaper: RoundShaper | None,
+                 max_model_len: int) -> None:
+        self.config, self.shaper, self.max_model_len = config, shaper, max_model_len
+        # the shape this step's drafts are asked for (the policy's last choice)
+        self.shape = Shape(config.q, config.speculative_topk,
+                           config.num_draft_tokens if config.tree else 0)
+
+    def choose_shape(self, running: list[Request], two_groups: bool) -> None:
+        """The policy's shape for this step's round (requests verified per round: a group, or
+        all of them); requests waiting for drafts the new shape does not make verify without
+        drafts instead of stalling."""
+        if self.shaper is None:
+            return
+        decoding = sum(not r.in_prefill for r in running)
+        share = sum(self.unseen(r) / max(1, self.room(r)) for r in running if not r.in_prefill)
+        groups = 2 if two_groups else 1
+        self.shape = self.shaper.shape(-(-decoding // groups), catch_up=share / groups)
+        for req in running:
+            if req.needs_draft and self.draft(req, after_verify=False).count(0) == 0:
+                req.needs_draft = False
+
+    def work(self, running: list[Request], requests: dict[str, Request],
+             seqs: list[SeqWork], after_all: bool) -> tuple[DraftWork, ...]:
+        """Who drafts in this step: requests not verified in it and still without drafts
+        draft while it runs; those it verifies draft right after (every one where
+        ``after_all``: the one-group modes, and a two-group step that carries a prefill
+        chunk, whose compute hides the link anyway)."""
+        if not self.config.speculative:
+            return ()
+        verified = {s.request_id for s in seqs if s.sample}
+        in_step = {s.request_id for s in seqs}
+        work = []
+        for req in running:
+            rid = req.request_id
+            if rid in verified and after_all:
+                work.append(self.draft(req, after_verify=True))
+            elif rid not in in_step and req.needs_draft and not req.in_prefill:
+                work.append(self.draft(req, after_verify=False))
+        work = [w for w in work if w.count(0) > 0]
+        shaped = [w for w in work if self.shaped(requests[w.request_id])]
+        if self.shaper is not None and self.shaper.probing and shaped:
+            # a probe drafts for one request, the one the draft has seen most of (the others'
+            # first drafts would make the draft prefill their windows before the policy knows
+            # whether drafting pays), and an exploration not at all where that costs too much
+            shaped.sort(key=lambda w: w.unseen)
+            keep = 1 if self.shaper.worth_exploring(shaped[0].unseen, len(shaped)) else 0
+            dropped = {w.request_id for w in shaped[keep:]}
+            for rid in dropped:
+                requests[rid].needs_draft = False
+            work = [w for w in work if w.request_id not in dropped]
+        return tuple(work)
+
+    def shaped(self, req: Request) -> bool:
+        """Whether the round-shape policy shapes the request's drafts. Not a seeded sampled
+        request's: which tokens it draws depends on how many drafts each round verifies, and
+        the policy's choices depend on measured times, while a seed must give the same
+        output every time; it drafts its chain of the configured depth."""
+        return self.shaper is not None and (req.params.greedy or req.params.seed is None)
+
+    def draft(self, req: Request, after_verify: bool) -> DraftWork:
+        cfg, q = self.config, req.params.num_speculative_tokens
+        depth = cfg.q if q is None else q
+        topk, nodes = cfg.speculative_topk, cfg.num_draft_tokens
+        if self.shaped(req):  # the policy's shape, within the request's own depth
+            shape = self.shape
+            depth, topk, nodes = min(depth, shape.depth), shape.topk, shape.num_nodes
+            if not req.params.greedy:  # a sampled request verifies a tree's children as
+                topk = 1  # point masses, which accept far less than a sampled chain
+        elif self.shaper is not None:  # seeded sampling: its chain, whatever was measured
+            topk = 1
+        tree = topk > 1
+        return DraftWork(
+            request_id=req.request_id, token_ids=tuple(req.all_token_ids),
+            num_tokens=depth, room=self.room(req), params=req.params,
+            after_verify=after_verify, topk=topk,
+            # a request's own depth may exceed the engine's node budget: a chain that deep
+            max_nodes=max(nodes, depth) if tree else None, unseen=self.unseen(req))
+
+    def wants_drafts(self, req: Request) -> bool:
+        """Whether the request would draft for its next round at all."""
+        return self.draft(req, after_verify=False).count(0) > 0
+
+    def unseen(self, req: Request) -> int:
+        """Tokens a draft model would feed before drafting for ``req``: what it has not seen
+        (a request that never drafted: its sinks and window at most)."""
+        cfg = self.config
+        if cfg.proposer is not Proposer.DRAFT:
+            return 0
+        window = (cfg.draft_sink_tokens + cfg.draft_window_tokens
+                  if cfg.draft_cache is DraftCache.WINDOW else 1 << 62)
+        return min(req.num_tokens - req.draft_seen if req.draft_seen else req.num_tokens,
+                   window)
+
+    def room(self, req: Request) -> int:
+        """Tokens the request may still generate (its max_tokens and the model's context)."""
+        return min(req.params.max_tokens - len(req.output_token_ids),
+                   self.max_model_len - req.num_tokens)

@@ -1,0 +1,53 @@
+"""The two groups of the overlapped modes: one verifies while the other drafts, then they swap.
+
+Drafting for a request's next round needs this round's outcome, so `specstream` (drafts in the
+link's gaps) and `parallel-spec` (drafts on a second device) split the decoding requests into
+two groups that alternate: each step verifies one group while the other's drafts are made.
+"""
+
+from __future__ import annotations
+
+from specstream.engine.policy.feedback import Estimates
+from specstream.engine.request import Request
+from specstream.kvcache.manager import KVManager
+
+
+class Groups:
+    def __init__(self, enabled: bool, history_token_bytes: int) -> None:
+        self.enabled = enabled
+        self.history_token_bytes = history_token_bytes
+        self._parity = 0
+
+    @staticmethod
+    def assign(req: Request, running: list[Request]) -> None:
+        """Put a request that starts decoding into the smaller of the two groups."""
+        sizes = [0, 0]
+        for r in running:
+            if r.group >= 0:
+                sizes[r.group] += 1
+        req.group = 0 if sizes[0] <= sizes[1] else 1
+
+    def to_verify(self, running: list[Request]) -> int | None:
+        """The group this step verifies (None: every request; one-group modes), falling back
+        to the other group when this one has nothing ready."""
+        if not self.enabled:
+            return None
+        ready = {r.group for r in running if not r.in_prefill and not r.needs_draft}
+        group = self._parity if self._parity in ready or not ready else 1 - self._parity
+        self._parity = 1 - group
+        return group
+
+    def prefill_verifies_all(self, running: list[Request], kv: KVManager,
+                             est: Estimates) -> bool:
+        """Whether this step carries a prefill chunk whose compute hides streaming every
+        decoding request's history: then it verifies them all (and they draft right after);
+        else the groups alternate as in any other step (with the link dominating, verifying
+        everyone would put all their history on the link behind every chunk). True until both
+        are measured."""
+        if not (self.enabled and any(r.in_prefill for r in running)):
+            return False
+        if not (est.link_bps and est.prefill_chunk_s and self.history_token_bytes):
+            return True
+        tokens = sum(kv.host_tokens(r.request_id) for r in running
+                     if not r.in_prefill and r.request_id in kv.seqs)
+        return tokens * self.history_token_bytes / est.link_bps <= est.prefill_chunk_s

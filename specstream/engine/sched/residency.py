@@ -1,0 +1,100 @@
+"""Residency `fill`: the device blocks nobody reserved hold the running requests' newest history.
+
+Before each step ``rebalance`` shares them among the running requests as residency targets
+(equal shares, ``kvcache.manager.residency_targets``): a request over its target drops its
+oldest device blocks (they have host copies), one under it gets some of its streamed blocks
+promoted back as they pass (``promote``: no link bytes). `tail` keeps a fixed resident tail and
+needs none of this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import replace
+
+from specstream.config import EngineConfig
+from specstream.engine.contract import SeqWork
+from specstream.engine.request import Request
+from specstream.kvcache.manager import KVManager
+from specstream.kvcache.residency import residency_targets
+
+
+class Residency:
+    def __init__(self, config: EngineConfig, kv: KVManager, restore_layers: int | None) -> None:
+        self.config, self.kv, self.restore_layers = config, kv, restore_layers
+        # what the step needs beyond the shares, counted by rebalance before it allocates
+        # anything: restore-mode room for its history (pool blocks lent to it) and the decode
+        # rounds' new blocks
+        self.step_room = 0
+
+    def rebalance(self, running: list[Request], scratch: int) -> None:
+        """Share the device blocks among the running requests: each keeps at least its
+        resident tail (and its blocks without a host copy); the rest of the pool, less this
+        step's working room (``scratch`` blocks for prefill, the new tokens' blocks,
+        restore-mode room for the history that still streams), goes to equal shares.
+
+        Hysteresis: a request over its share keeps its blocks until the step needs the room
+        (then those furthest over drop their oldest, which have host copies); one under its
+        share gets streamed blocks promoted once the step's allocations are made
+        (``promote``). A share that moves by a block for a step, or a request that comes and
+        goes, moves no more blocks than the room it needs."""
+        kv, bs = self.kv, self.config.block_size
+        if not kv.policy.fill:
+            return
+        reqs = [r for r in running if r.request_id in kv.seqs]
+        tail = -(-kv.policy.resident_tail_tokens // bs) + 1
+        floors, caps, growth = [], [], 0
+        for r in reqs:
+            seq = kv.seqs[r.request_id]
+            blocks = seq.first + len(seq.device_blocks)
+            if r.in_prefill:  # room for the whole prompt: its chunks land in the share
+                blocks = max(blocks, -(-len(r.prompt_token_ids) // bs))
+            else:
+                growth += kv.device_blocks_needed(r.request_id, self.config.verify_tokens)
+            pinned = len(seq.device_blocks) - seq.droppable
+            floors.append(min(blocks, max(tail, pinned)))
+            caps.append(blocks)
+        pool = kv.device.num_blocks - growth - scratch
+        layers = self.restore_layers
+
+        def room(targets: list[int]) -> int:  # lent blocks for the history that streams
+            streamed = sum(c - t for c, t in zip(caps, targets))
+            return -(-2 * streamed // layers) if layers else 0
+
+        targets = residency_targets(floors, caps, pool, room if layers else None)
+        self.step_room = room(targets) + growth
+        for r, t in zip(reqs, targets):
+            kv.set_target(r.request_id, t)
+        # the step's working room must be free: those furthest over their share make it
+        self.free_up(scratch + self.step_room, running)
+
+    def promote(self, seqs: list[SeqWork], running: list[Request]) -> list[SeqWork]:
+        """Give requests of the step under their share device blocks for the newest of their
+        streamed blocks (the step copies them there as they pass: no link bytes)."""
+        kv = self.kv
+        if not kv.policy.fill:
+            return seqs
+        out = []
+        planned = {s.request_id for s in seqs}  # their windows are fixed for this step
+        for s in seqs:
+            seq = kv.seqs[s.request_id]
+            short = (seq.target or 0) - len(seq.device_blocks)
+            # only blocks that cross the link can be promoted on the way (not host-attended)
+            short = min(short, sum(len(c) for c in s.restore_chunks))
+            if s.restore_chunks and short > 0:
+                self.free_up(short, running, keep=planned)
+                s = replace(s, promote=tuple(kv.plan_promotion(s.request_id, short)))
+            out.append(s)
+        return out
+
+    def free_up(self, blocks: int, running: list[Request], keep: Collection[str] = ()) -> None:
+        """Make ``blocks`` device blocks free, as far as requests over their share can (those
+        furthest over drop their oldest first; none of ``keep``)."""
+        kv = self.kv
+        short = blocks - kv.device.num_free
+        for rid in sorted((r.request_id for r in running
+                           if r.request_id in kv.seqs and r.request_id not in keep),
+                          key=kv.excess, reverse=True):
+            if short <= 0:
+                break
+            short -= kv.drop(rid, min(short, kv.excess(rid)))
