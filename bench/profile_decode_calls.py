@@ -19,7 +19,8 @@ import torch
 
 import specstream.attention.waves as waves
 import specstream.engine.exec.gap_filler as overlap
-import specstream.engine.exec.history as history
+import specstream.engine.exec.restore as restore
+import specstream.engine.exec.stream as stream
 import specstream.engine.exec.worker as worker
 import specstream.models.decoder as decoder
 import specstream.spec.draft as draft
@@ -77,8 +78,8 @@ def main() -> None:
     for owner, name, key in (
         (waves.TorchWaves, "add", "attention"), (draft.DraftJob, "step", "draft_step"),
         (worker.Worker, "run", "step"), (decoder.DecoderLayer, "qkv", "layer_qkv"),
-        (decoder.DecoderLayer, "finish", "layer_finish"), (history.ChunkStream, "_fill", "copy"),
-        (history.LayerRestore, "_issue", "copy"), (overlap.GapFiller, "finish", "draft_tail"),
+        (decoder.DecoderLayer, "finish", "layer_finish"), (stream.ChunkStream, "_fill", "copy"),
+        (restore.LayerRestore, "_issue", "copy"), (overlap.GapFiller, "finish", "draft_tail"),
     ):
         _wrap(owner, name, key)
     for mode in args.modes:

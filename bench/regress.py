@@ -6,9 +6,11 @@
 
 It measures the checkout it sits in: the `specstream` package must be imported from the folder
 above this one (run it with ``PYTHONPATH=<checkout>`` when another copy is installed), and
-``host_overhead.py`` is loaded from beside it, so the same file measures older revisions too
-(copy it into their ``bench/``). It uses only the bench runner (``specstream.bench.runner``,
-`BenchSettings` fields and the bench's result keys), not the engine's classes.
+``host_overhead.py`` and ``regress_report.py`` (the workloads, the figures, the comparison) are
+loaded from beside it, so the same files measure older revisions too (copy this file and
+``regress_report.py`` into their ``bench/``). It uses only the bench runner
+(``specstream.bench.runner``, `BenchSettings` fields and the bench's result keys), not the
+engine's classes.
 
 Each repeat measures every figure once, the figures in turn, so a slow spell of a shared
 machine spreads over all of them; the JSON keeps every repeat's value and its min, median and
@@ -56,13 +58,12 @@ import importlib.util
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -70,48 +71,6 @@ from typing import Any
 CHECKOUT = Path(__file__).resolve().parents[1]
 
 
-@dataclass(frozen=True)
-class Sizes:
-    """The workloads of one size tier: (prompt tokens, requests, output tokens) and links."""
-
-    # the link-bound preset's workload and link: with 2K prompts (1,792 tokens of each
-    # streaming every round), 4 requests (two groups of two, one chunk wave each) and 0.05
-    # GB/s, a round streams as long per request as the preset's 4K prompts at 0.1 GB/s
-    link_bound: tuple[int, int, int]
-    link_bound_gbps: float
-    # the balanced bench's workload, link and device budget. The README's is 8 x 4K prompts,
-    # 128 tokens, 1 GB/s, 64 MiB: residency fill keeps about a third of the history, the
-    # restore modes run 5 of the 8 requests at once and specstream all. Here 6 x 2K prompts
-    # and 48 tokens (as --quick), half the link (half the history a round), and 36 MiB, where
-    # the restore modes run 4 of the 6 and specstream all (64 MiB, --quick's, holds nearly all
-    # of this workload's 77 MB under fill: rounds then stream almost nothing)
-    balanced: tuple[int, int, int]
-    balanced_gbps: float
-    balanced_device_kv_bytes: int
-    # residency fill at half the KV runs on the balanced workload over a link-bound link
-    residency_gbps: float
-    chunk_tokens: int  # tokens per streamed chunk (a staging slot holds a wave of them)
-    host_overhead_argv: tuple[str, ...]
-    repeats: int
-
-
-SIZES = {
-    "full": Sizes(link_bound=(2048, 4, 32), link_bound_gbps=0.05,
-                  balanced=(2048, 6, 48), balanced_gbps=0.5, balanced_device_kv_bytes=36 << 20,
-                  residency_gbps=0.25, chunk_tokens=2048, host_overhead_argv=("--rounds", "10"),
-                  repeats=3),
-    "quick": Sizes(link_bound=(1024, 4, 16), link_bound_gbps=0.05,
-                   balanced=(1024, 4, 24), balanced_gbps=0.5, balanced_device_kv_bytes=16 << 20,
-                   residency_gbps=0.25, chunk_tokens=1024, host_overhead_argv=("--rounds", "4"),
-                   repeats=2),
-    # for the tests: the plumbing, not the figures
-    "smoke": Sizes(link_bound=(640, 4, 8), link_bound_gbps=1.0,
-                   balanced=(768, 4, 6), balanced_gbps=4.0, balanced_device_kv_bytes=12 << 20,
-                   residency_gbps=2.0, chunk_tokens=256,
-                   host_overhead_argv=("--layers", "2", "--draft-layers", "1", "--requests",
-                                       "2", "--chunks", "3", "--rounds", "2"),
-                   repeats=2),
-}
 # host attention's emulated rate over the link's (bench/host_attention.py: 0.8 against 0.1)
 HOST_OVER_LINK_RATE = 8.0
 RESIDENCY_FRACTION = 0.5
@@ -121,33 +80,6 @@ RESIDENCY_FRACTION = 0.5
 LINK_BOUND_UTILIZATION = 0.8
 BALANCED_UTILIZATION = 0.5
 
-HIGHER, LOWER, TRUE = "higher", "lower", "true"
-# figure -> (which way is better, what it is)
-FIGURES: dict[str, tuple[str, str]] = {
-    "host_over_link": (LOWER, "host time of a GPU-shaped specstream round / its H200 link time"),
-    "link_bound.chain_over_offload_spec": (
-        HIGHER, "output tok/s, specstream chains (auto, q <= 4) / offload-spec fixed q = 4"),
-    "link_bound.chain_over_offload_spec_decode_only": (
-        HIGHER, "decode-only tok/s, specstream chains (auto, q <= 4) / offload-spec q = 4"),
-    "link_bound.trees_over_offload_spec": (
-        HIGHER, "output tok/s, specstream trees (auto, top-4, <= 32 nodes) / offload-spec q = 4"),
-    "link_bound.trees_over_offload_spec_decode_only": (
-        HIGHER, "decode-only tok/s, specstream trees / offload-spec q = 4"),
-    "link_bound.trees_accepted_over_offload_spec": (
-        HIGHER, "mean accepted tokens per round, specstream trees / offload-spec q = 4"),
-    "host_attention.speedup": (
-        HIGHER, "output tok/s, specstream chains with host attention auto (host at 8x the "
-                "link) / without"),
-    "host_attention.speedup_decode_only": (
-        HIGHER, "decode-only tok/s, specstream chains with host attention auto / without"),
-    "residency.fill_bytes_over_floor": (
-        LOWER, "specstream fill at half the KV: link bytes per round / the floor's"),
-    "balanced.specstream_over_offload_spec_decode_only": (
-        HIGHER, "decode-only tok/s, specstream / offload-spec (both fixed q = 4)"),
-    "balanced.specstream_over_offload_decode_only": (
-        HIGHER, "decode-only tok/s, specstream (fixed q = 4) / offload"),
-    "outputs_match_reference": (TRUE, "every run's greedy outputs equal resident's"),
-}
 # per-run values kept beside the figures: the regime each run was in
 RUN_KEYS = ("output_tokens_per_s", "decode_only_tokens_per_s", "mean_accepted_len",
             "decode_only_link_utilization", "decode_only_round_time_over_floor",
@@ -169,15 +101,29 @@ def check_package() -> Path:
     return pkg
 
 
-def load_host_overhead() -> ModuleType:
-    """bench/host_overhead.py of this checkout (its own imports resolve beside it: this
-    script's folder is the first entry of the import path when it runs as a script)."""
-    spec = importlib.util.spec_from_file_location("host_overhead",
-                                                  Path(__file__).parent / "host_overhead.py")
+def beside(name: str) -> ModuleType:
+    """``bench/<name>.py`` of this checkout, imported by its path (the tests load this script by
+    its path, where ``bench/`` is not on the import path; the module's own imports resolve
+    beside it when this runs as a script)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up while defined
     spec.loader.exec_module(module)
     return module
+
+
+def load_host_overhead() -> ModuleType:
+    """bench/host_overhead.py of this checkout."""
+    return beside("host_overhead")
+
+
+# the workloads, the figures and how two reports compare (bench/regress_report.py)
+_report = beside("regress_report")
+Sizes, SIZES = _report.Sizes, _report.SIZES
+HIGHER, LOWER, TRUE, FIGURES = _report.HIGHER, _report.LOWER, _report.TRUE, _report.FIGURES
+summary, spread, merge = _report.summary, _report.spread, _report.merge
+verdict, compare, format_comparison = _report.verdict, _report.compare, _report.format_comparison
 
 
 class Guard:
@@ -343,98 +289,6 @@ def measure(size: str, repeats: int | None = None,
         "warnings": guard.warnings,
     }
     return report
-
-
-def summary(name: str, values: list[Any]) -> dict[str, Any]:
-    better, what = FIGURES[name]
-    if better == TRUE:
-        return {"better": better, "what": what, "values": values, "all": all(values)}
-    return {"better": better, "what": what, **spread(values)}
-
-
-def spread(values: list[Any]) -> dict[str, Any]:
-    return {"values": values, "min": min(values), "median": statistics.median(values),
-            "max": max(values)}
-
-
-def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """Several reports of one revision as one: every figure's and run's repeats together."""
-    out = copy.deepcopy(reports[0])
-    for r in reports[1:]:
-        for name, fig in r["figures"].items():
-            if name in out["figures"]:
-                out["figures"][name]["values"] += fig["values"]
-            else:
-                out["figures"][name] = copy.deepcopy(fig)
-        for name, keys in r["runs"].items():
-            for k, v in keys.items():
-                out["runs"].setdefault(name, {}).setdefault(k, {"values": []})["values"] += \
-                    v["values"]
-        out["warnings"] += r["warnings"]
-    for name, fig in out["figures"].items():
-        out["figures"][name] = summary(name, fig["values"])
-    out["runs"] = {n: {k: spread(v["values"]) for k, v in keys.items()}
-                   for n, keys in out["runs"].items()}
-    out["repeats"] = sum(r["repeats"] for r in reports)
-    out["wall_s"] = [r["wall_s"] for r in reports]
-    out["merged_from"] = len(reports)
-    return out
-
-
-# --- comparing ---------------------------------------------------------------------------
-
-def verdict(better: str, a: list[Any], b: list[Any]) -> str:
-    """'worse', 'better' or 'within' (the spread of the repeats); booleans: 'worse' when B
-    has a False."""
-    if better == TRUE:
-        return "within" if all(b) else "worse"
-    sign = 1.0 if better == HIGHER else -1.0
-    a_s, b_s = [sign * x for x in a], [sign * x for x in b]
-    ma, mb = statistics.median(a_s), statistics.median(b_s)
-    if mb < min(a_s) and ma > max(b_s):
-        return "worse"
-    if mb > max(a_s) and ma < min(b_s):
-        return "better"
-    return "within"
-
-
-def compare(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
-    """Each figure's verdict (B against A), and notes on what differs between the runs."""
-    notes = []
-    if a.get("sizes") != b.get("sizes"):
-        notes.append("the two reports ran different workloads (sizes differ): figures are "
-                     "not comparable")
-    rows = []
-    for name in dict.fromkeys([*a["figures"], *b["figures"]]):
-        fa, fb = a["figures"].get(name), b["figures"].get(name)
-        if fa is None or fb is None:
-            rows.append({"figure": name, "verdict": "missing in " + ("A" if fa is None else "B")})
-            continue
-        rows.append({"figure": name, "better": fa["better"],
-                     "a": fa["values"], "b": fb["values"],
-                     "verdict": verdict(fa["better"], fa["values"], fb["values"])})
-    return rows, notes
-
-
-def format_comparison(rows: list[dict[str, Any]], notes: list[str]) -> str:
-    def cell(values: list[Any]) -> str:
-        if isinstance(values[0], bool):
-            return "all True" if all(values) else f"{values.count(False)} False"
-        return (f"{statistics.median(values):.4g} [{min(values):.4g}-{max(values):.4g}] "
-                f"n={len(values)}")
-
-    lines = ["| figure | better | A median [min-max] | B median [min-max] | B / A | verdict |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        if "a" not in r:
-            lines.append(f"| {r['figure']} | | | | | {r['verdict']} |")
-            continue
-        ratio = ("" if r["better"] == TRUE else
-                 f"{statistics.median(r['b']) / statistics.median(r['a']):.3f}")
-        mark = "**WORSE**" if r["verdict"] == "worse" else r["verdict"]
-        lines.append(f"| {r['figure']} | {r['better']} | {cell(r['a'])} | {cell(r['b'])} | "
-                     f"{ratio} | {mark} |")
-    return "\n".join(lines + [f"note: {n}" for n in notes])
 
 
 # --- two checkouts, interleaved ----------------------------------------------------------
