@@ -93,12 +93,14 @@ class RoundFeedback:
                                 bool(m.prefill_tokens))
 
     def _observe_host(self, plan: StepPlan, m: StepMeasures) -> None:
-        """After a decode round with cold history: whether it is link-bound (streaming all of
-        it, what the host attended included, would take longer than the device's compute, its
-        wait for the host excluded), the host's idle time, and what the round-shape policy
-        weighs its shapes' host time with."""
+        """After a decode round with cold history and no prefill chunk: whether it is
+        link-bound (streaming all of it, what the host attended included, would take longer
+        than the device's compute, its wait for the host excluded), the host's idle time, and
+        what the round-shape policy weighs its shapes' host time with. A round that also
+        prefilled says nothing of this: its chunk's compute would call every such round
+        compute-bound and take the host's share away from the decode rounds after it."""
         cold = m.history_bytes + m.host_bytes
-        if not (m.decode and cold and m.host_attends):
+        if not (m.decode and not m.prefill_tokens and cold and m.host_attends):
             return
         self.host_pays = cold / self.link_bps > m.compute_s - m.host_wait_s
         if m.host_bytes:

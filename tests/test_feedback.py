@@ -1,0 +1,58 @@
+"""RoundFeedback: step measurements in, the scheduler's Estimates out (engine/policy/feedback.py).
+
+Hand-built measurements, no model: what makes ``auto`` host attention give the host a share
+(a link-bound pure decode round) and what must not take it away (a round that also prefilled:
+the bench regression guard caught this, host attention's decode-only speed-up halved)."""
+
+from __future__ import annotations
+
+from specstream.config import EngineConfig
+from specstream.engine.contract import StepMeasures, StepOutput, StepPlan
+from specstream.engine.policy.feedback import RoundFeedback
+
+LINK = 1e9  # emulated 1 GB/s
+
+
+def _feedback() -> RoundFeedback:
+    return RoundFeedback(EngineConfig(mode="specstream", proposer="ngram", host_attention="auto",
+                                      link_gbps=LINK / 1e9, device_kv_bytes=64 << 20))
+
+
+def _step(fb: RoundFeedback, *, history: int, host: int, compute_s: float,
+          prefill: int = 0, jobs: tuple[tuple[int, float, int], ...] = ()) -> None:
+    m = StepMeasures(wall_s=compute_s, wait_s=0.0, draft_s=0.0, link_busy_s=history / LINK,
+                     link_bytes=history, history_bytes=history, prefill_tokens=prefill,
+                     decode=True, host_attends=True, host_bytes=host, host_serial_s=0.002,
+                     host_jobs=jobs)
+    fb.observe(StepPlan(seqs=()), StepOutput(), m)
+
+
+def test_a_compute_bound_decode_round_takes_the_hosts_share_away() -> None:
+    fb = _feedback()
+    assert fb.estimates().host_pays  # until measured
+    _step(fb, history=10_000_000, host=0, compute_s=0.050)  # 10 ms of link, 50 ms of compute
+    assert not fb.estimates().host_pays
+    _step(fb, history=60_000_000, host=20_000_000, compute_s=0.050)  # 80 ms of link
+    assert fb.estimates().host_pays
+
+
+def test_a_round_that_also_prefilled_leaves_the_verdict_alone() -> None:
+    fb = _feedback()
+    _step(fb, history=60_000_000, host=20_000_000, compute_s=0.050)
+    assert fb.estimates().host_pays
+    # a prefill chunk's compute dwarfs the link: that says nothing of decode rounds
+    _step(fb, history=60_000_000, host=20_000_000, compute_s=2.0, prefill=2048)
+    assert fb.estimates().host_pays
+    _step(fb, history=10_000_000, host=0, compute_s=0.050)  # a decode round still decides
+    assert not fb.estimates().host_pays
+
+
+def test_host_jobs_fit_the_hosts_cost_line() -> None:
+    """Seconds per byte against query positions, from every job of every step."""
+    fb = _feedback()
+    jobs = tuple((p, 1e-9 * (1 + p) * 1_000_000, 1_000_000) for p in (1, 2, 5, 9))
+    _step(fb, history=60_000_000, host=4_000_000, compute_s=0.05, jobs=jobs)
+    host = fb.estimates().host
+    assert host is not None
+    assert abs(host.per_byte(3) - 4e-9) < 1e-12 and abs(host.per_byte(9) - 10e-9) < 1e-12
+    assert host.serial_s == 0.002
