@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from specstream import LLM, SamplingParams
-from specstream.attention import ChunkedAttention, causal_mask, full_attention, partial_attention
+from specstream.attention import (
+    AttentionAccumulator,
+    causal_mask,
+    full_attention,
+    partial_attention,
+)
 from specstream.engine.exec.gap_filler import GapFiller
 from specstream.engine.trace import Tracer
 from specstream.models.loader import load_model
@@ -81,31 +86,31 @@ def test_gap_filler_counts_link_idle_time_against_its_budget(clock: _Clock) -> N
     assert gap.overrun_s == pytest.approx(0.009)
 
 
-def test_chunked_attention_lse_and_any_order() -> None:
+def test_merged_partials_lse_and_any_order() -> None:
     g = torch.Generator().manual_seed(3)
     q = torch.randn(5, 8, 16, generator=g)
     k = torch.randn(300, 2, 16, generator=g)
     v = torch.randn(300, 2, 16, generator=g)
     mask = causal_mask(5, 300)
-    att = ChunkedAttention(q, 2, 0.3)
+    att = AttentionAccumulator()
     for lo, hi in ((250, 300), (0, 37), (100, 250), (37, 100)):  # the masked piece comes first
-        att.add(k[lo:hi], v[lo:hi], mask[:, lo:hi])
+        att.add(*partial_attention(q, k[lo:hi], v[lo:hi], 0.3, mask[:, lo:hi]))
     ref = full_attention(q, k, v, 0.3, mask)
     assert ((att.result() - ref).abs().max() / ref.abs().max()).item() <= 1e-5
     _, lse = partial_attention(q, k, v, 0.3, mask)
     assert torch.allclose(att.lse(), lse, rtol=1e-5, atol=1e-5)
 
 
-def test_chunked_attention_empty_rows_then_very_negative_scores() -> None:
+def test_merged_partials_empty_rows_then_very_negative_scores() -> None:
     """A fully masked first chunk must not pin the running max at 0: scores of -200 would
     underflow to nothing against it."""
     v = torch.randn(6, 1, 8, generator=torch.Generator().manual_seed(4))
     q, k = torch.ones(2, 2, 8), torch.full((6, 1, 8), -25.0)  # every score is -200
     k[4] = -24.0  # one key a little less negative
-    att = ChunkedAttention(q, 1, 1.0)
-    att.add(k[:3], v[:3], torch.zeros(2, 3, dtype=torch.bool))  # nothing attended yet
-    assert torch.isneginf(att.lse()).all()
-    att.add(k[3:], v[3:])
+    att = AttentionAccumulator()
+    att.add(*partial_attention(q, k[:3], v[:3], 1.0, torch.zeros(2, 3, dtype=torch.bool)))
+    assert torch.isneginf(att.lse()).all()  # nothing attended yet
+    att.add(*partial_attention(q, k[3:], v[3:], 1.0))
     ref = full_attention(q, k[3:], v[3:], 1.0)
     assert torch.isfinite(att.result()).all()
     assert torch.allclose(att.result(), ref, atol=1e-5)

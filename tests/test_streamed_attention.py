@@ -1,4 +1,6 @@
-"""Streamed (chunked, online-softmax) attention equals full attention."""
+"""Streamed (chunked, online-softmax) attention equals full attention: partial results over key
+pieces merged by ``AttentionAccumulator`` and ``merge_partials`` (the engine's waves merge the
+same way; ``test_chunk_waves.py`` checks them)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,20 @@ from specstream.attention import (
     full_attention,
     merge_partials,
     partial_attention,
-    streamed_attention,
 )
 
 HEAD_DIM = 32
+
+
+def streamed_attention(q: Tensor, chunks: list[tuple[Tensor, Tensor, Tensor | None]],
+                       scale: float, out_dtype: torch.dtype | None = None) -> Tensor:
+    """Attention over key pieces ``(k, v, mask)``, each a partial merged as it comes."""
+    acc = AttentionAccumulator()
+    for k, v, mask in chunks:
+        acc.add(*partial_attention(q, k, v, scale, mask))
+    if not acc.num_chunks:
+        return torch.zeros_like(q, dtype=out_dtype or q.dtype)
+    return acc.result(out_dtype or q.dtype)
 
 
 def rel_err(a: Tensor, b: Tensor) -> float:

@@ -1,7 +1,7 @@
 """The fused Triton partial-attention kernel equals the torch path (and so full attention).
 
 Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, numpy on the CPU) at
-small sizes; without Triton those tests skip and only the dispatcher's torch fallback is tested.
+small sizes; without Triton those tests skip.
 """
 
 from __future__ import annotations
@@ -54,18 +54,6 @@ def kernel_device() -> str:
     if not _INTERPRETABLE:
         pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set")
     return "cuda" if CUDA else "cpu"
-
-
-def test_auto_falls_back_to_torch_off_cuda() -> None:
-    q, k, v = qkv(3, 4, 2, 16, 11, torch.float32)
-    out, lse = tp.partial_attention_auto(q, k, v, 0.25, causal_offset=8)
-    ref_out, ref_lse = partial_attention(q, k, v, 0.25, causal_mask(3, 11))
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
-    mask = torch.rand(3, 11, generator=torch.Generator().manual_seed(1)) > 0.5
-    out, lse = tp.partial_attention_auto(q, k, v, 0.25, mask=mask)
-    assert torch.equal(out, partial_attention(q, k, v, 0.25, mask)[0])
-    with pytest.raises(ValueError, match="not both"):
-        tp.partial_attention_auto(q, k, v, 0.25, mask=mask, causal_offset=8)
 
 
 def test_offset_causal_mask_matches_reference() -> None:
@@ -148,7 +136,7 @@ def test_kernel_on_cuda_at_model_shapes(dtype: torch.dtype, tol: float) -> None:
     """Qwen3-8B attention shapes: 32 heads over 8 kv heads, head_dim 128, a 2048-token chunk."""
     q, k, v = qkv(5, 32, 8, 128, 2048, dtype, "cuda")
     for offset in (None, 2048 - 5):
-        out, lse = tp.partial_attention_auto(q, k, v, 128**-0.5, causal_offset=offset)
+        out, lse = tp.partial_attention_triton(q, k, v, 128**-0.5, causal_offset=offset)
         mask = None if offset is None else causal_mask(5, 2048, "cuda")
         ref_out, ref_lse = partial_attention(q, k, v, 128**-0.5, mask)
         assert rel_err(out, ref_out) <= tol and rel_err(lse, ref_lse) <= tol

@@ -17,8 +17,6 @@ every merge and never produce NaN.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import Tensor
 
@@ -156,93 +154,3 @@ class AttentionAccumulator:
             raise RuntimeError("AttentionAccumulator.result() before any add()")
         safe = self._l.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
         return (self._acc / safe).to(dtype)
-
-
-class ChunkedAttention:
-    """The queries of one request attending over key chunks as they come: the engine's path.
-
-    Same mathematics as `partial_attention` + `AttentionAccumulator`, with the per-chunk work cut
-    to what a chunk needs: the queries are scaled and folded into the GQA row layout once
-    (`[num_kv_heads, group * num_q, head_dim]`), each chunk contributes unnormalised sums
-    (`acc += exp(s - m) @ v`, `l += sum exp(s - m)`) under the running max `m`, and the one
-    division happens in `result`. Masked chunks may leave rows with no key (`m = -inf`); the
-    guards for that case run only once a mask has been seen.
-    """
-
-    def __init__(self, q: Tensor, num_kv_heads: int, scale: float) -> None:
-        num_q, num_heads, head_dim = q.shape
-        group = gqa_group(num_heads, num_kv_heads)
-        self.shape = (num_q, num_kv_heads, group, head_dim)
-        self.out_dtype = q.dtype
-        qf = q.float().view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        self.q = qf.reshape(num_kv_heads, group * num_q, head_dim).mul(scale)
-        self.m: Tensor | None = None  # [kv, rows, 1] running max (-inf: no key yet)
-        self.l: Tensor | None = None  # [kv, rows, 1] running sum of exp(s - m)
-        self.acc: Tensor | None = None  # [kv, rows, D] running sum of exp(s - m) v
-        self.masked = False
-
-    def add(self, k: Tensor, v: Tensor, mask: Tensor | None = None) -> None:
-        """Fold in one chunk: k, v `[n, num_kv_heads, head_dim]`, mask `[num_q, n]` or None."""
-        num_q, kv, group, _ = self.shape
-        n = k.shape[0]
-        if n == 0:
-            return
-        s = torch.matmul(self.q, k.float().permute(1, 2, 0))  # [kv, rows, n]
-        if mask is not None:
-            self.masked = True
-            s.view(kv, group, num_q, n).masked_fill_(
-                ~mask.to(device=s.device, dtype=torch.bool), NEG_INF)
-            m = s.amax(dim=-1, keepdim=True)
-            p = s.sub_(finite_or_zero(m)).exp_()
-        else:
-            m = s.amax(dim=-1, keepdim=True)
-            p = s.sub_(m).exp_()
-        l_c = p.sum(dim=-1, keepdim=True)
-        o_c = torch.matmul(p, v.float().permute(1, 0, 2))  # [kv, rows, D]
-        if self.m is None or self.l is None or self.acc is None:
-            self.m, self.l, self.acc = m, l_c, o_c
-            return
-        new_m = torch.maximum(self.m, m)
-        base = finite_or_zero(new_m) if self.masked else new_m
-        w_old, w_new = torch.exp(self.m - base), torch.exp(m - base)
-        self.l = self.l.mul_(w_old).add_(l_c.mul_(w_new))
-        self.acc = self.acc.mul_(w_old).add_(o_c.mul_(w_new))
-        self.m = new_m
-
-    def lse(self) -> Tensor:  # [num_q, num_heads] fp32
-        """Log-sum-exp over every key folded in so far (-inf where nothing was attended)."""
-        if self.m is None or self.l is None:
-            raise RuntimeError("ChunkedAttention.lse() before any chunk")
-        num_q, kv, group, _ = self.shape
-        lse = (finite_or_zero(self.m) + torch.log(self.l)).view(kv, group, num_q)
-        return lse.permute(2, 0, 1).reshape(num_q, kv * group)
-
-    def result(self, dtype: torch.dtype | None = None) -> Tensor:  # [num_q, num_heads, head_dim]
-        """The attention output (rows that attended nothing are 0), in `dtype` (default q's)."""
-        num_q, kv, group, head_dim = self.shape
-        dtype = dtype or self.out_dtype
-        if self.l is None or self.acc is None:
-            return torch.zeros(num_q, kv * group, head_dim, dtype=dtype, device=self.q.device)
-        out = self.acc / self.l.clamp_min(torch.finfo(torch.float32).tiny)
-        out = out.view(kv, group, num_q, head_dim).permute(2, 0, 1, 3)
-        return out.reshape(num_q, kv * group, head_dim).to(dtype)
-
-
-def streamed_attention(
-    q: Tensor,  # [num_q, num_heads, head_dim]
-    chunks: Iterable[tuple[Tensor, Tensor, Tensor | None]],  # (k, v, mask) per piece
-    scale: float,
-    out_dtype: torch.dtype | None = None,
-) -> Tensor:  # [num_q, num_heads, head_dim]
-    """Attention over keys given as pieces `(k [n, kv, D], v [n, kv, D], mask [num_q, n] | None)`.
-
-    Each piece goes through `ChunkedAttention` and is merged as it comes, so the pieces may be
-    produced lazily (e.g. as copies land). The result is in `out_dtype` (default: `q.dtype`).
-    """
-    att: ChunkedAttention | None = None
-    for k, v, mask in chunks:
-        att = att or ChunkedAttention(q, k.shape[1], scale)
-        att.add(k, v, mask)
-    if att is None:
-        return torch.zeros_like(q, dtype=out_dtype or q.dtype)
-    return att.result(out_dtype or q.dtype)

@@ -10,9 +10,11 @@ Masks: none, or the causal pattern of the resident tail, `causal_offset = c`: qu
 `0 .. c + i` (with `c = num_k - num_q` the last `num_q` keys are the queries themselves, as
 `reference.causal_mask`). Any other mask goes through the torch path.
 
+The engine attends chunk waves (`waves.TritonWaves`); this one-request form is what the GPU
+check (`bench/gpu_check_steps/exactness.py`) and the tests compare against the torch path.
 Triton is optional: this module imports without it, `triton_available()` says whether the kernel
-can run, and `partial_attention_auto` uses it only for CUDA tensors, else the torch path. On a
-machine without a GPU the kernel runs in Triton's interpreter (`TRITON_INTERPRET=1`, small sizes).
+can run. On a machine without a GPU the kernel runs in Triton's interpreter
+(`TRITON_INTERPRET=1`, small sizes).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specstream.attention.streamed import partial_attention
 from specstream.attention.triton_wave import triton_available, wave_attention_triton
 from specstream.backends.base import upload
 
@@ -51,24 +52,3 @@ def offset_causal_mask(num_q: int, num_k: int, causal_offset: int, device: Any =
     """Bool `[num_q, num_k]`: query `i` sees keys `0 .. causal_offset + i` (the kernel's mask)."""
     q_pos = torch.arange(num_q, device=device).unsqueeze(1) + causal_offset  # [num_q, 1]
     return torch.arange(num_k, device=device).unsqueeze(0) <= q_pos
-
-
-def partial_attention_auto(
-    q: Tensor,  # [num_q, num_heads, head_dim]
-    k: Tensor,  # [num_k, num_kv_heads, head_dim]
-    v: Tensor,  # [num_k, num_kv_heads, head_dim]
-    scale: float,
-    mask: Tensor | None = None,  # [num_q, num_k] bool, True = may attend
-    causal_offset: int | None = None,
-) -> tuple[Tensor, Tensor]:  # out [num_q, num_heads, head_dim] fp32, lse [num_q, num_heads] fp32
-    """The Triton kernel for CUDA tensors when Triton is importable, else the torch path.
-
-    An explicit `mask` always takes the torch path; `causal_offset` is the fused causal mask.
-    """
-    if mask is not None and causal_offset is not None:
-        raise ValueError("give either mask or causal_offset, not both")
-    if mask is None and q.is_cuda and triton_available():
-        return partial_attention_triton(q, k, v, scale, causal_offset)
-    if causal_offset is not None:
-        mask = offset_causal_mask(q.shape[0], k.shape[0], causal_offset, q.device)
-    return partial_attention(q, k, v, scale, mask)
