@@ -135,7 +135,8 @@ class EngineConfig:
     # `stream` modes: tokens of one request's history per chunk; a chunk wave copies and
     # attends the j-th chunk of up to `wave_requests` requests at once, and the staging ring
     # holds `staging_buffers` waves (staging_buffers x wave_requests x chunk_tokens tokens of
-    # one layer).
+    # one layer). A ring over half the device budget is shrunk to what half holds (at least
+    # one chunk of one request, two waves where two fit: engine/layout.py `staging_ring`).
     chunk_tokens: int = 2048
     staging_buffers: int = 2
     wave_requests: int = 8

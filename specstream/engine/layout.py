@@ -23,15 +23,18 @@ class RuntimeLayout:
     num_device_blocks: int
     num_host_blocks: int
     # Device bytes kept out of the pool for history in flight: the staging ring of chunk waves
-    # (`stream`);
-    # 0 otherwise (`restore` modes hold their two restored layers in pool blocks that each
-    # admitted request reserves its share of).
+    # (`stream`); 0 otherwise (`restore` modes hold their two restored layers in pool blocks
+    # that each admitted request reserves its share of).
     history_reserve_bytes: int
     # History past this many tokens moves to the host (resolved against the model's context).
     offload_after_tokens: int
     # The model's context and its end-of-sequence token ids.
     max_model_len: int
     eos_token_ids: frozenset[int]
+    # The staging ring as sized to the budget (``staging_ring``): waves in the ring and
+    # requests per wave (the configured ones where the budget can spare them).
+    staging_buffers: int = 2
+    wave_requests: int = 8
 
     @classmethod
     def build(cls, config: EngineConfig, model: ModelConfig, dtype_bytes: int,
@@ -40,13 +43,23 @@ class RuntimeLayout:
         layer_token_bytes = model.kv_bytes_per_token(dtype_bytes) // model.num_layers
         block_bytes = config.block_size * model.num_layers * layer_token_bytes
         budget = config.device_budget
-        history_reserve = (config.staging_buffers * config.wave_requests * config.chunk_tokens
-                           * layer_token_bytes if mode.history is History.STREAM else 0)
+        region_bytes = config.chunk_tokens * layer_token_bytes  # one chunk of one request
+        buffers, wave = config.staging_buffers, config.wave_requests
+        history_reserve = 0
+        if mode.history is History.STREAM:
+            buffers, wave = staging_ring(budget, region_bytes, buffers, wave)
+            history_reserve = buffers * wave * region_bytes
         num_device_blocks = (budget - history_reserve) // block_bytes
-        if num_device_blocks < 2:
+        if num_device_blocks < MIN_DEVICE_BLOCKS:
+            least = MIN_DEVICE_BLOCKS * block_bytes + (
+                region_bytes if mode.history is History.STREAM else 0)
+            staging = (f" and one {config.chunk_tokens}-token chunk of staging ({region_bytes} "
+                       "bytes; a smaller chunk_tokens needs less)"
+                       if mode.history is History.STREAM else "")
             raise ValueError(
-                f"device_kv_bytes={budget} leaves {num_device_blocks} KV blocks of "
-                f"{block_bytes} bytes after {history_reserve} bytes of staging; raise it")
+                f"device_kv_bytes={budget} is below the least this model runs with in mode "
+                f"{config.mode}: {least} bytes ({MIN_DEVICE_BLOCKS} KV blocks of {block_bytes} "
+                f"bytes{staging})")
         max_len = model.max_position_embeddings
         if config.max_model_len is not None:
             if config.max_model_len > max_len:
@@ -67,4 +80,26 @@ class RuntimeLayout:
                                   else default_offload_after(max_len)),
             max_model_len=max_len,
             eos_token_ids=eos_token_ids,
+            staging_buffers=buffers,
+            wave_requests=wave,
         )
+
+
+MIN_DEVICE_BLOCKS = 2  # KV blocks the pool needs at least (a request's tail and its next)
+# The staging ring takes at most this share of the device budget (the rest holds KV blocks).
+STAGING_SHARE = 0.5
+
+
+def staging_ring(budget: int, region_bytes: int, buffers: int, wave: int) -> tuple[int, int]:
+    """(waves, requests per wave) of the staging ring for a device budget: the configured
+    ``buffers x wave`` chunk regions where they fit in ``STAGING_SHARE`` of the budget, else as
+    many regions as fit there (never fewer than one chunk of one request), as at least two
+    waves where two regions fit and more than one wave was asked for (a copy lands while the
+    previous wave is attended)."""
+    fit = max(1, int(budget * STAGING_SHARE) // region_bytes)
+    if buffers * wave <= fit:
+        return buffers, wave
+    if buffers == 1:
+        return 1, min(wave, fit)
+    wave = min(wave, max(1, fit // 2))
+    return min(buffers, fit // wave), wave

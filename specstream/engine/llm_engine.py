@@ -91,7 +91,7 @@ class LLMEngine:
         self.store = KVStore(self.model_config, self.dtype, config.block_size,
                              layout.num_device_blocks, layout.num_host_blocks, self.backend)
         self.history = make_source(mode.history, self.store, config.chunk_tokens,
-                                   config.staging_buffers, config.wave_requests)
+                                   layout.staging_buffers, layout.wave_requests)
         self.attention = ATTENTION.get(resolve_backend(config.attention_backend, device))
         self.proposer = (proposer if proposer is not None
                          else self._make_proposer() if config.speculative else None)
