@@ -44,7 +44,8 @@ class Batch:
     contexts: tuple[float, ...]
     q: int  # drafts per request (a chain); a tree's node count when ``shape`` is one
     mode: str
-    shape: Shape | None = None  # the engine's round shape (spec/round_shape.py); None: Shape(q)
+    # the engine's round shape (engine/policy/round_shape.py); None: Shape(q)
+    shape: Shape | None = None
     host: bool = False  # streamed modes: the host attends its share of the cold history
 
     @cached_property

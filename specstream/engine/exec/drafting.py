@@ -7,7 +7,7 @@ after their verification (``run_now``).
 
 - ``sequential``: everything after verification, on the one device (the baselines).
 - ``gaps``: draft steps run while verification waits for history still crossing the link
-  (``engine/overlap.py`` decides which gaps are long enough); the rest after verification.
+  (``engine/exec/gap_filler.py`` decides which gaps are long enough); the rest after verification.
 - ``parallel``: on a second worker standing for a second device, concurrently with verification.
 - ``draft-stream`` (``gaps`` on CUDA): every draft step is enqueued at once on the backend's
   low-priority draft stream, as soon as the round's first copies are issued; the GPU's

@@ -161,7 +161,7 @@ class RoundCosts:
     # host_attention "auto": a verified request's cold history per round, the link's rate, the
     # host's seconds per byte (fixed part, per query position of a request) and the device
     # time the host idles per round; with a host cost, the round's history takes the split
-    # that lets link and host finish together (engine/host_split.py), which depends on the
+    # that lets link and host finish together (engine/sched/host_split.py), which depends on the
     # shape: a tree's query positions slow the host
     cold_bytes: float = 0.0
     link_bps: float = 0.0

@@ -2,7 +2,7 @@
 
 The engine feeds every verification round in (``observe``): how long its parts took, how many
 query positions and draft tokens it had, how many drafts each request had accepted. The
-shaper keeps the estimates the cost model (``spec/round_shape.py``) reads: per-token
+shaper keeps the estimates the cost model (``policy/round_shape.py``) reads: per-token
 acceptance (decayed counts, the model card's figure as prior), the link time of a round, the
 verification time as ``a + b x query positions`` and a draft forward's as ``c + d x tokens``
 (both exponentially weighted least squares). Before each step the scheduler asks it for the
