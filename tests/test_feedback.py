@@ -56,3 +56,27 @@ def test_host_jobs_fit_the_hosts_cost_line() -> None:
     assert host is not None
     assert abs(host.per_byte(3) - 4e-9) < 1e-12 and abs(host.per_byte(9) - 10e-9) < 1e-12
     assert host.serial_s == 0.002
+
+
+def _decode(fb: RoundFeedback, *, history: int, verify_s: float, draft_s: float = 0.0) -> None:
+    m = StepMeasures(wall_s=verify_s + draft_s, wait_s=0.0, draft_s=draft_s,
+                     link_busy_s=history / LINK, link_bytes=history, history_bytes=history,
+                     prefill_tokens=0, decode=True)
+    fb.observe(StepPlan(seqs=()), StepOutput(), m)
+
+
+def test_the_groups_merge_where_verification_hides_the_link_and_split_again() -> None:
+    """link time over verification time, averaged, with hysteresis: merged below 0.8, split
+    above 1.0; drafting and prefilling rounds leave it alone."""
+    fb = _feedback()
+    assert fb.estimates().link_bound  # until measured
+    for _ in range(3):  # 10 ms of history against 40 ms of verification
+        _decode(fb, history=10_000_000, verify_s=0.040, draft_s=0.030)
+    assert not fb.estimates().link_bound
+    _decode(fb, history=36_000_000, verify_s=0.040)  # 0.9: between the two, stays merged
+    assert not fb.estimates().link_bound
+    _step(fb, history=400_000_000, host=0, compute_s=0.050, prefill=2048)  # says nothing
+    assert not fb.estimates().link_bound
+    for _ in range(4):  # 80 ms of history against 40 ms
+        _decode(fb, history=80_000_000, verify_s=0.040)
+    assert fb.estimates().link_bound

@@ -225,3 +225,27 @@ def test_a_prefill_step_verifies_everyone_only_where_its_chunk_hides_their_histo
     fast = ready()
     plan = fast.schedule(Estimates(link_bps=1e12, prefill_chunk_s=0.01))
     assert {s.request_id for s in plan.seqs} == {"d0", "d1", "p"}
+
+
+def test_specstream_verifies_every_request_while_the_link_hides_nothing() -> None:
+    """Estimates.link_bound False: the two groups merge (every decoding request verifies in
+    the step and drafts right after it); True: one group verifies, the other drafts."""
+    sch = _offload_scheduler()
+    for i in range(4):
+        sch.add(Request(str(i), list(range(10, 40)), SamplingParams(max_tokens=16)))
+    for _ in range(6):  # prefills, then each group's first drafts
+        sch.update(plan := sch.schedule(), _emit(plan))
+    split = sch.schedule(Estimates(link_bound=True))
+    assert len([s for s in split.seqs if s.sample]) == 2  # one group
+    assert not any(d.after_verify for d in split.drafts)  # the other drafts meanwhile
+    sch.update(split, _emit(split))
+    # the first merged step: the group just verified drafts (while the other verifies)
+    first = sch.schedule(Estimates(link_bound=False))
+    sch.update(first, _emit(first))
+    merged = sch.schedule(Estimates(link_bound=False))
+    assert len([s for s in merged.seqs if s.sample]) == 4
+    assert len(merged.drafts) == 4 and all(d.after_verify for d in merged.drafts)
+    assert sch.groups.merged_steps == 2
+    sch.update(merged, _emit(merged))
+    again = sch.schedule(Estimates(link_bound=True))  # split again: one group verifies
+    assert len([s for s in again.seqs if s.sample]) == 2

@@ -251,7 +251,8 @@ class LLMEngine:
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             max_concurrency=self.scheduler.max_concurrency,
             tree_kv_moves=self.worker.verifier.moved_slots,
-            promoted_blocks=self.kv.promoted_blocks)
+            promoted_blocks=self.kv.promoted_blocks,
+            merged_group_steps=self.scheduler.groups.merged_steps)
 
     def get_metrics(self) -> dict[str, Any]:
         """``metrics()`` as a dict (the stats' counters and ratios, then the engine's state)."""

@@ -217,6 +217,8 @@ class EngineMetrics:
     tree_kv_moves: int = 0
     # `fill`: blocks promoted into device windows as they passed (no link bytes)
     promoted_blocks: int = 0
+    # `specstream`: steps whose groups merged into one (decode rounds not link-bound)
+    merged_group_steps: int = 0
 
     @property
     def device_kv_usage(self) -> float:

@@ -33,6 +33,18 @@ class Estimates:
     # Whether the last decode round with cold history was link-bound (streaming all of it
     # would take longer than its compute): only then does the host get a share.
     host_pays: bool = True
+    # Whether decode rounds' history takes the link longer than their verification: only
+    # then do `specstream`'s two groups pay (one drafts in the other's transfer gaps); where
+    # verification hides the link anyway they merge into one (half the rounds, every draft
+    # batched). A moving average of the two, with hysteresis (``MERGE_BELOW``,
+    # ``SPLIT_ABOVE``); True until measured.
+    link_bound: bool = True
+
+
+# decode rounds' link time over their verification time (a moving average): the groups merge
+# below the first and split again above the second
+MERGE_BELOW = 0.8
+SPLIT_ABOVE = 1.0
 
 
 class RoundFeedback:
@@ -55,6 +67,8 @@ class RoundFeedback:
         self.host_cost = LineFit(decay=0.98)  # seconds per byte against query positions
         self.host_serial = Ewma()
         self.host_pays = True
+        self.link_over_verify = Ewma()
+        self.link_bound = True
 
     @property
     def link_bps(self) -> float:
@@ -66,7 +80,8 @@ class RoundFeedback:
         if self.host_cost.n:
             a, b = self.host_cost.coef()
             host = HostCosts(a, b, self.host_serial.value)
-        return Estimates(self.link_bps, self.prefill_chunk.value, host, self.host_pays)
+        return Estimates(self.link_bps, self.prefill_chunk.value, host, self.host_pays,
+                         self.link_bound)
 
     def observe(self, plan: StepPlan, out: StepOutput, m: StepMeasures) -> None:
         """One step, as it ran."""
@@ -80,6 +95,7 @@ class RoundFeedback:
         if m.prefill_tokens:
             self.prefill_chunk.add(m.compute_s)
         self._observe_host(plan, m)
+        self._observe_link_bound(m)
         shaper = self.shaper
         if shaper is None:
             return
@@ -91,6 +107,22 @@ class RoundFeedback:
             verify = max(0.0, m.wall_s - m.host_wait_s - m.wait_s - m.draft_s)
             shaper.observe_step(plan, out, m.link_busy_s, verify, m.draft_s,
                                 bool(m.prefill_tokens))
+
+    def _observe_link_bound(self, m: StepMeasures) -> None:
+        """After a decode round with no prefill chunk: its history's link time (what the host
+        attended included: it would cross the link otherwise) over its verification time
+        (neither blocked on the link or the host nor drafting)."""
+        if not m.decode or m.prefill_tokens:
+            return
+        verify_s = m.wall_s - m.wait_s - m.draft_s - m.host_wait_s
+        if verify_s <= 0:
+            return
+        ratio = self.link_over_verify.add(
+            (m.history_bytes + m.host_bytes) / self.link_bps / verify_s)
+        if self.link_bound and ratio < MERGE_BELOW:
+            self.link_bound = False
+        elif not self.link_bound and ratio > SPLIT_ABOVE:
+            self.link_bound = True
 
     def _observe_host(self, plan: StepPlan, m: StepMeasures) -> None:
         """After a decode round with cold history and no prefill chunk: whether it is

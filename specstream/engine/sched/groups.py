@@ -13,10 +13,25 @@ from specstream.kvcache.manager import KVManager
 
 
 class Groups:
-    def __init__(self, enabled: bool, history_token_bytes: int) -> None:
+    def __init__(self, enabled: bool, history_token_bytes: int, merges: bool = False) -> None:
+        """``merges``: the groups merge into one while decode rounds are not link-bound
+        (``Estimates.link_bound``; `specstream`, whose drafts only pay in the link's gaps;
+        `parallel-spec` drafts on a second device, off the round's path either way)."""
         self.enabled = enabled
+        self.merges = merges
         self.history_token_bytes = history_token_bytes
         self._parity = 0
+        self.merged_steps = 0  # steps that verified every request because the link hid nothing
+
+    def split(self, est: Estimates) -> bool:
+        """Whether this step runs as two groups (else every decoding request verifies in it
+        and drafts right after)."""
+        if not self.enabled:
+            return False
+        if self.merges and not est.link_bound:
+            self.merged_steps += 1
+            return False
+        return True
 
     @staticmethod
     def assign(req: Request, running: list[Request]) -> None:

@@ -28,7 +28,7 @@ from specstream.engine.sched.residency import Residency
 from specstream.engine.sched.update import StepUpdate, Update
 from specstream.kvcache.manager import BlockCopy, KVManager
 from specstream.kvcache.residency import OffloadPolicy
-from specstream.options import History
+from specstream.options import Drafting, History
 
 
 class Scheduler:
@@ -59,7 +59,8 @@ class Scheduler:
         self.admission = Admission(config, kv, restore_layers)
         self.residency = Residency(config, kv, restore_layers)
         self.groups = Groups(config.speculative and config.mode_spec.two_groups,
-                             history_token_bytes)
+                             history_token_bytes,
+                             merges=config.mode_spec.drafting is Drafting.GAPS)
         self.drafts = DraftPlanner(config, self.shaper, max_model_len)
         self.host_split = host_split or MeasuredSplit(config,
                                                       history_token_bytes * config.block_size)
@@ -114,9 +115,9 @@ class Scheduler:
         self.max_concurrency = max(self.max_concurrency, len(self.running))
         prefill = bool(self.waiting) or any(r.in_prefill for r in self.running)
         self.residency.rebalance(self.running, self.admission.scratch_blocks if prefill else 0)
-        two = self.groups.enabled
+        two = self.groups.split(est)
         self.drafts.choose_shape(self.running, two)
-        verify_all = self.groups.prefill_verifies_all(self.running, self.kv, est)
+        verify_all = not two or self.groups.prefill_verifies_all(self.running, self.kv, est)
         seqs = self._batch(None if verify_all else self.groups.to_verify(self.running))
         if self.config.host_attends:
             per = max(1, self.config.chunk_tokens // self.config.block_size)
