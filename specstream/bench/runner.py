@@ -213,6 +213,9 @@ def _measure(
         "link_bytes_per_s": 1e9 * s.link_gbps if s.link_gbps else 0.0,
         "host_attention_bytes": m.get("host_attention_bytes", 0),
         "host_kv_peak_bytes": m["host_kv_peak_bytes"],
+        # specstream: steps whose two groups merged into one (decode rounds not link-bound)
+        "merged_group_steps": m.get("merged_group_steps", 0) - base.get("merged_group_steps", 0),
+        "decode_steps": m["decode_steps"] - base["decode_steps"],
         "max_concurrency": m["max_concurrency"],
         "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
         "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99),
