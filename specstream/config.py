@@ -140,6 +140,11 @@ class EngineConfig:
     chunk_tokens: int = 2048
     staging_buffers: int = 2
     wave_requests: int = 8
+    # `specstream`: its two groups (one verifies while the other drafts in the transfer gaps)
+    # merge into one while decode rounds' history takes the link less time than their
+    # verification (policy/feedback.py, Estimates.link_bound). False: always two groups (the
+    # behaviour before merging; for ablations).
+    merge_groups: bool = True
     # Attention kernels: "torch", "triton" (on CPU tensors only under TRITON_INTERPRET=1), or
     # "auto" (Triton on CUDA when it is importable, torch otherwise).
     attention_backend: AttentionBackend = AttentionBackend.AUTO

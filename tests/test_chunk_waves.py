@@ -129,6 +129,7 @@ def test_a_specstream_decode_round_reads_back_once(tiny_target, tiny_draft, monk
     Counted as reads of tensor values (.tolist/.item/.cpu/int()/bool()) during Worker.run."""
     llm = LLM(tiny_target, mode="specstream", draft_model=tiny_draft, device_kv_bytes=2_000_000,
               speculative_policy="fixed",  # drafts every round, whatever a loaded machine times
+              merge_groups=False,  # two groups: one verifies while the other drafts
               **dict(OFFLOAD, max_prefill_tokens=2048))
     eng = llm.engine
     for p in _prompts((300, 280, 260, 240)):
@@ -158,7 +159,8 @@ def test_draft_stream_drafting_enqueues_after_the_first_copies(tiny_target, tiny
     llm.close()
 
     llm = LLM(tiny_target, mode="specstream", draft_model=tiny_draft, device_kv_bytes=2_000_000,
-              speculative_policy="fixed", **OFFLOAD)  # drafts every round
+              speculative_policy="fixed",  # drafts every round
+              merge_groups=False, **OFFLOAD)  # two groups: the other one drafts meanwhile
     eng = llm.engine
     events: list[str] = []
     backend = eng.backend

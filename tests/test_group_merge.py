@@ -55,3 +55,14 @@ def test_parallel_spec_never_merges(tiny_target, reference):
                   **OFFLOAD)
     assert got == reference
     assert m["merged_group_steps"] == 0
+
+
+def test_merging_can_be_turned_off(tiny_target, reference):
+    """merge_groups=False (bench: --no-merge-groups): two groups whatever the link."""
+    from specstream.cli import build_parser
+
+    got, m = _run(tiny_target, mode="specstream", proposer="ngram", link_gbps=50.0,
+                  merge_groups=False, **OFFLOAD)
+    assert got == reference and m["merged_group_steps"] == 0
+    args = build_parser().parse_args(["bench", "--no-merge-groups"])
+    assert args.no_merge_groups

@@ -98,6 +98,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-attention", choices=["off", "auto"], default="off",
                    help="offloading modes: attend part of each request's cold history on the "
                         "host CPU beside the link (auto), or not (default: off)")
+    p.add_argument("--no-merge-groups", action="store_true",
+                   help="specstream: keep two groups even where verification hides the link "
+                        "(the behaviour before merging; an ablation)")
     p.add_argument("--host-attention-gbps", type=float, default=None,
                    help="emulated host attention rate of the cpu backend, GB/s of KV attended "
                         "(default: none, as fast as this machine's host computes)")
@@ -182,6 +185,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         resident_tail_tokens=args.resident_tail_tokens,
         offload_after_tokens=args.offload_after_tokens, residency=args.residency,
         enable_prefix_caching=not args.no_prefix_caching, host_attention=args.host_attention,
+        merge_groups=not args.no_merge_groups,
         extra={"attention_backend": args.attention_backend,
                **({"host_attention_gbps": args.host_attention_gbps}
                   if args.host_attention_gbps else {})},
@@ -393,4 +397,6 @@ def _argv(args: argparse.Namespace) -> list[str]:
         out.append("--quick")
     if args.no_prefix_caching:
         out.append("--no-prefix-caching")
+    if args.no_merge_groups:
+        out.append("--no-merge-groups")
     return out

@@ -60,6 +60,8 @@ class BenchSettings:
     enable_prefix_caching: bool = True
     # Attention over cold history on the host CPU in the offloading modes ("off" | "auto").
     host_attention: str = "off"
+    # specstream's groups merge where the link hides nothing (EngineConfig.merge_groups)
+    merge_groups: bool = True
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -74,7 +76,8 @@ class BenchSettings:
                   wave_requests=self.wave_requests, resident_tail_tokens=self.resident_tail_tokens,
                   offload_after_tokens=self.offload_after_tokens, residency=self.residency,
                   max_prefill_tokens=self.max_prefill_tokens, max_num_seqs=self.max_num_seqs,
-                  enable_prefix_caching=self.enable_prefix_caching, seed=self.seed)
+                  enable_prefix_caching=self.enable_prefix_caching,
+                  merge_groups=self.merge_groups, seed=self.seed)
         if mode != "resident" and self.host_attention != "off":
             kw.update(host_attention=self.host_attention)
         kw.update(self.extra)

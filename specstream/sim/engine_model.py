@@ -52,6 +52,8 @@ def engine_config(settings: dict[str, Any], mode: str, **overrides: Any) -> Engi
     (through ``BenchSettings.engine_kwargs``, as the bench itself builds it); ``overrides``
     replace EngineConfig fields (e.g. ``drafting="sequential"`` for an ablation)."""
     known = {f.name for f in fields(BenchSettings)}
+    # a run recorded before the groups could merge ran two groups throughout
+    settings = {"merge_groups": False, **settings}
     s = BenchSettings(**{k: v for k, v in settings.items() if k in known and v is not None})
     kw = {**s.engine_kwargs(mode), **overrides}
     kw.pop("link_gbps", None)  # the link is the simulator's; the schedule does not read it

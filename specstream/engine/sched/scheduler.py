@@ -60,7 +60,8 @@ class Scheduler:
         self.residency = Residency(config, kv, restore_layers)
         self.groups = Groups(config.speculative and config.mode_spec.two_groups,
                              history_token_bytes,
-                             merges=config.mode_spec.drafting is Drafting.GAPS)
+                             merges=(config.merge_groups
+                                     and config.mode_spec.drafting is Drafting.GAPS))
         self.drafts = DraftPlanner(config, self.shaper, max_model_len)
         self.host_split = host_split or MeasuredSplit(config,
                                                       history_token_bytes * config.block_size)
