@@ -226,3 +226,17 @@ def reads_per_round(engine: Any, monkeypatch: Any, counts: Any, max_steps: int =
     finally:
         monkeypatch.undo()
     return counted
+
+
+def capture_plans(eng, monkeypatch) -> list:  # type: ignore[no-untyped-def]
+    """The plans the engine's scheduler hands out from now on, in order (a spy on
+    ``schedule``)."""
+    plans: list = []
+    schedule = eng.scheduler.schedule
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        plans.append(schedule(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(eng.scheduler, "schedule", spy)
+    return plans

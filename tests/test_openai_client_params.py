@@ -5,10 +5,9 @@ stays a clear 400 naming the field.
 One live server (the tiny model of ``test_server.py``, n-gram speculation on) for the module.
 """
 
+# ruff: noqa: F811  (the tests take the imported fixtures as arguments)
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,25 +16,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from test_client_bodies import MESSAGES, PROMPT  # noqa: E402
-from test_server import ENGINE, MODEL, LiveServer, chat_model  # noqa: E402, F401
-
-from specstream import LLM  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def server(chat_model: Path) -> Iterator[LiveServer]:  # noqa: F811
-    live = LiveServer(LLM(chat_model, **ENGINE))
-    yield live
-    live.close()
-
-
-@pytest.fixture(scope="module")
-def tok(chat_model: Path) -> Any:  # noqa: F811
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(chat_model / "tokenizer.json"))
-
+# the live server and tokenizer fixtures of test_client_bodies (module-scoped: one server here)
+from test_client_bodies import MESSAGES, PROMPT, server, tok  # noqa: E402, F401
+from test_server import MODEL, LiveServer, chat_model  # noqa: E402, F401
 
 # The openai client (openai-python, as in the dev extra) with the parameters applications
 # send, each at a typical value; vLLM's own extensions go in extra_body, as vLLM's docs show.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import capture_plans
 
 from specstream import LLM, SamplingParams
 from specstream.config import EngineConfig
@@ -178,14 +179,7 @@ def test_shapes_that_stop_drafting_never_stall_a_request_and_probes_draft_for_on
                           device_kv_bytes=2_000_000, resident_tail_tokens=32,
                           max_prefill_tokens=1024)
     eng = LLMEngine(tiny_target, config, shaper=shaper)
-    plans = []
-    schedule = eng.scheduler.schedule
-
-    def spy(*args):  # type: ignore[no-untyped-def]
-        plans.append(schedule(*args))
-        return plans[-1]
-
-    monkeypatch.setattr(eng.scheduler, "schedule", spy)
+    plans = capture_plans(eng, monkeypatch)
     try:
         ids = [eng.add_request(p, params) for p in prompts]
         done = {}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import reads_per_round
+from helpers import capture_plans, reads_per_round
 from tree_oracle import MODES, OracleTreeProposer
 
 from specstream.attention.triton_wave import triton_available
@@ -224,14 +224,7 @@ def test_a_fresh_prompt_shares_the_bucket_of_a_tree(tiny_target, monkeypatch):
     ref, _ = _run(tiny_target, ps, GREEDY, mode="resident", device_kv_bytes=16 << 20)
     eng = LLMEngine(tiny_target, EngineConfig(mode="resident", device_kv_bytes=16 << 20, **TREE),
                     proposer=_oracle(ps, ref))
-    plans = []
-    schedule = eng.scheduler.schedule
-
-    def spy(*args):  # type: ignore[no-untyped-def]
-        plans.append(schedule(*args))
-        return plans[-1]
-
-    monkeypatch.setattr(eng.scheduler, "schedule", spy)
+    plans = capture_plans(eng, monkeypatch)
     try:
         a = eng.add_request(ps[0], GREEDY)
         for _ in range(3):
