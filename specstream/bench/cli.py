@@ -99,8 +99,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="offloading modes: attend part of each request's cold history on the "
                         "host CPU beside the link (auto), or not (default: off)")
     p.add_argument("--no-merge-groups", action="store_true",
-                   help="specstream: keep two groups even where verification hides the link "
-                        "(the behaviour before merging; an ablation)")
+                   help="specstream: two groups even where verification hides the link")
     p.add_argument("--host-attention-gbps", type=float, default=None,
                    help="emulated host attention rate of the cpu backend, GB/s of KV attended "
                         "(default: none, as fast as this machine's host computes)")
@@ -395,8 +394,6 @@ def _argv(args: argparse.Namespace) -> list[str]:
         out.append("--ladder")
     if args.quick:
         out.append("--quick")
-    if args.no_prefix_caching:
-        out.append("--no-prefix-caching")
-    if args.no_merge_groups:
-        out.append("--no-merge-groups")
+    out += [f for f, on in (("--no-prefix-caching", args.no_prefix_caching),
+                            ("--no-merge-groups", args.no_merge_groups)) if on]
     return out
