@@ -299,6 +299,7 @@ def interleave(checkouts: list[Path], labels: list[str], passes: int, size: str,
     package on the import path), ``passes`` times each, alternating; writes each label's
     merged report to ``results/regress-LABEL.json`` and compares the last with the first."""
     parts: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+    results.mkdir(parents=True, exist_ok=True)  # --results may name a new folder
     with tempfile.TemporaryDirectory() as tmp:
         for p in range(passes):
             for checkout, label in zip(checkouts, labels):
@@ -325,7 +326,6 @@ def interleave(checkouts: list[Path], labels: list[str], passes: int, size: str,
 
 
 # --- command line ------------------------------------------------------------------------
-
 def _git(*args: str) -> str:
     try:
         return subprocess.run(["git", "-C", str(CHECKOUT), *args], capture_output=True,
