@@ -97,13 +97,20 @@ def run_speculative(
     return torch.tensor([o[:N_OUT] for o in outs])
 
 
-def statistic(params: SamplingParams, point_mass: bool, seed: int = 0) -> tuple[float, float]:
-    target, draft = markov_tables(seed=1234)
-    tokens = run_speculative(target, draft, params, point_mass, seed)
+def joint_statistic(tokens: Tensor, target: Tensor, params: SamplingParams
+                    ) -> tuple[float, float]:
+    """Chi-square of the first N_OUT generated tokens of every row ([rows, N_OUT]) against the
+    target's exact joint, and the critical value."""
     cells = (tokens * torch.tensor([V * V, V, 1])).sum(-1)
     counts = torch.bincount(cells, minlength=V**N_OUT).double()
     stat, df = chi_square(counts, exact_joint(target, params))
     return stat, critical_value(df)
+
+
+def statistic(params: SamplingParams, point_mass: bool, seed: int = 0) -> tuple[float, float]:
+    target, draft = markov_tables(seed=1234)
+    return joint_statistic(run_speculative(target, draft, params, point_mass, seed), target,
+                           params)
 
 
 @pytest.mark.parametrize("params", [DEFAULT, FILTERED], ids=["default", "filtered"])

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import torch
-from test_acceptance import C0, V, chi_square, critical_value, exact_joint, markov_tables
+from test_acceptance import C0, V, joint_statistic, markov_tables
 from test_tree_acceptance import DEFAULT, FILTERED, N_OUT, N_ROWS
 from torch import Tensor
 
@@ -103,11 +103,8 @@ def statistic(
     children: str = "iid", point_mass: bool = False,
 ) -> tuple[float, float]:
     target, _ = markov_tables(seed=1234)
-    tokens = run_trees(verify, params, branching, children, point_mass)
-    cells = (tokens * torch.tensor([V * V, V, 1])).sum(-1)
-    counts = torch.bincount(cells, minlength=V**N_OUT).double()
-    stat, df = chi_square(counts, exact_joint(target, params))
-    return stat, critical_value(df)
+    return joint_statistic(run_trees(verify, params, branching, children, point_mass), target,
+                           params)
 
 
 CASES = {  # name: (params, branching, children, point_mass)
