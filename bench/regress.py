@@ -87,8 +87,6 @@ RUN_KEYS = ("output_tokens_per_s", "decode_only_tokens_per_s", "mean_accepted_le
             "max_concurrency", "host_attention_bytes_per_s", "wall_s")
 
 
-# --- measuring ---------------------------------------------------------------------------
-
 def check_package() -> Path:
     """The folder specstream is imported from; it must be this checkout's."""
     spec = importlib.util.find_spec("specstream")  # found, not imported yet
@@ -113,11 +111,6 @@ def beside(name: str) -> ModuleType:
     return module
 
 
-def load_host_overhead() -> ModuleType:
-    """bench/host_overhead.py of this checkout."""
-    return beside("host_overhead")
-
-
 # the workloads, the figures and how two reports compare (bench/regress_report.py)
 _report = beside("regress_report")
 Sizes, SIZES = _report.Sizes, _report.SIZES
@@ -139,11 +132,14 @@ class Guard:
         self.warnings: list[str] = []
         self.lb_work = Workload((sizes.link_bound[0],) * sizes.link_bound[1],
                                 sizes.link_bound[2])
-        # the link-bound preset (specstream bench --preset link-bound) at this tier's link
+        # the link-bound preset at this tier's link; speculation pinned to the defaults before
+        # issue 30 (auto, chains up to 4, no host attention): like with like across revisions
+        pinned = dict(num_speculative_tokens=4, speculative_topk=1, host_attention="off")
         self.lb = BenchSettings(link_gbps=sizes.link_bound_gbps, residency="tail",
-                                staging_buffers=4, chunk_tokens=sizes.chunk_tokens)
+                                staging_buffers=4, chunk_tokens=sizes.chunk_tokens, **pinned)
         self.bal_work = Workload((sizes.balanced[0],) * sizes.balanced[1], sizes.balanced[2])
-        self.bal = BenchSettings(link_gbps=sizes.balanced_gbps, chunk_tokens=sizes.chunk_tokens)
+        self.bal = BenchSettings(link_gbps=sizes.balanced_gbps, chunk_tokens=sizes.chunk_tokens,
+                                 **pinned)
         self._refs: dict[str, Any] = {}
 
     def reference(self, name: str) -> Any:
@@ -187,7 +183,7 @@ class Guard:
         self.values.setdefault(name, []).append(value)
 
     def host_overhead(self) -> None:
-        r = load_host_overhead().main(list(self.sizes.host_overhead_argv))
+        r = beside("host_overhead").main(list(self.sizes.host_overhead_argv))
         self.figure("host_over_link", r["host_over_link"])
         self.runs.setdefault("host_overhead", {}).setdefault(
             "host_ms_per_round", []).append(r["host_ms_per_round"])

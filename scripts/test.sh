@@ -13,7 +13,8 @@ ruff check .
 # type-check the engine (all of it), the KV manager, speculation, the config and its options
 # and the offline API with the flags of --strict (pyproject.toml's [[tool.mypy.overrides]])
 mypy specstream/engine specstream/kvcache specstream/spec specstream/config.py \
-    specstream/options.py specstream/llm.py specstream/registry.py
+    specstream/options.py specstream/defaults.py specstream/modes.py specstream/llm.py \
+    specstream/registry.py
 set +e
 python -m pytest -q -p no:cacheprovider "$@"
 rc=$?

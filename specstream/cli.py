@@ -11,7 +11,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from specstream.config import DEFAULT_SPECULATIVE_TOKENS, MAX_TREE_NODES, MODES, EngineConfig, GiB
+from specstream.config import (
+    AUTO_MAX_DEPTH,
+    CPU_DEVICE_KV_BYTES,
+    DEFAULT_SPECULATIVE_TOKENS,
+    DEFAULT_TREE_NODES,
+    DEFAULT_TREE_TOPK,
+    MAX_TREE_NODES,
+    MODES,
+    EngineConfig,
+    GiB,
+)
 
 Command = Callable[[argparse._SubParsersAction], None]  # registers one subcommand
 _COMMANDS: list[Command] = []
@@ -64,26 +74,33 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-model", default=None,
                    help="draft model folder (default: the embedded draft when the embedded "
                         "target speculates with the draft proposer)")
-    g.add_argument("--mode", default="resident", choices=sorted(MODES),
-                   help="engine mode: where KV lives and how rounds are scheduled")
+    g.add_argument("--mode", default=None, choices=sorted(MODES),
+                   help="engine mode: where KV lives and how rounds are scheduled (default: "
+                        "specstream where there is a proposer, as for the embedded target, "
+                        "else stream; the others are baselines and ablations)")
     g.add_argument("--proposer", default=None, choices=["draft", "ngram"],
                    help="speculation proposer (default: draft with --draft-model, or for the "
-                        "embedded target in a mode that speculates; else none)")
+                        "embedded target in the default mode or one that speculates; else "
+                        "none)")
     g.add_argument("--num-speculative-tokens", "-q", type=int, default=None,
                    help=f"draft tokens per round; with token trees, their depth (default: "
-                        f"{DEFAULT_SPECULATIVE_TOKENS} with a proposer, else 0)")
+                        f"with a proposer up to {AUTO_MAX_DEPTH} under the auto policy, "
+                        f"{DEFAULT_SPECULATIVE_TOKENS} under fixed; else 0)")
     g.add_argument("--speculative-topk", "--speculative-eagle-topk", type=int, default=None,
                    help="token trees: children per expanded node of the draft model's tree "
                         "(SGLang's --speculative-eagle-topk); 1 is a chain of -q drafts "
-                        f"(default: {_default('speculative_topk')})")
+                        f"(default: the auto policy may choose trees of up to "
+                        f"{DEFAULT_TREE_TOPK} children with a draft model; else 1)")
     g.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="token trees: draft tokens (nodes) per request and round, at least -q "
                         f"and at most {MAX_TREE_NODES}; unlike SGLang's flag of that name the "
-                        "last accepted token is not counted (default: -q, a chain's drafts)")
+                        "last accepted token is not counted (default: up to "
+                        f"{DEFAULT_TREE_NODES} where the auto policy may choose trees, else -q)")
     g.add_argument("--speculative-policy", choices=["auto", "fixed"], default=None,
                    help="'fixed': every round drafts -q tokens; 'auto': the engine chooses each "
-                        "round's chain depth (0 to -q) for the most expected tokens per second "
-                        "from what it measures (default: auto with a proposer, else fixed)")
+                        "round's shape (no drafts, a chain up to -q deep, or a tree within the "
+                        "limits) for the most expected tokens per second from what it measures "
+                        "(default: auto with a proposer, else fixed)")
     g.add_argument("--device", default="auto",
                    help="auto (CUDA when this torch sees a CUDA device, else cpu, as vLLM), "
                         "cpu, or cuda[:N]")
@@ -91,7 +108,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights and KV dtype (auto: bfloat16 on cuda, float32 on cpu)")
     g.add_argument("--device-kv-bytes", type=float, default=None,
                    help="device memory for KV, in bytes: resident tails and staging buffers "
-                        "(default: 4 GiB); 1e7 and 10000000 both work")
+                        "(default: on CUDA --gpu-memory-utilization of the memory free once the "
+                        f"models are loaded, on cpu {CPU_DEVICE_KV_BYTES >> 20} MiB); 1e7 and "
+                        "10000000 both work")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="without --device-kv-bytes, the share of the CUDA device's memory "
+                        "free once the models are loaded that KV takes (vLLM's name; its "
+                        "share is of the whole device) (default: "
+                        f"{_default('gpu_memory_utilization')})")
     g.add_argument("--host-kv-bytes", type=float, default=None,
                    help=f"host memory for offloaded KV, in bytes (default: "
                         f"{_default('host_kv_bytes')}, 8 GiB)")
@@ -123,7 +147,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-attention", choices=["off", "auto"], default=None,
                    help="offloading modes: attend part of each request's cold history on the "
                         "host CPU beside the link, the share that finishes with it ('auto'), "
-                        f"or not (default: {_default('host_attention')})")
+                        "or not (default: auto where the host has cores the engine's threads "
+                        "leave, else off)")
     g.add_argument("--host-attention-fraction", type=float, default=None,
                    help="a fixed share (0-1) of each request's cold chunks attended on the "
                         "host instead (for ablations)")
@@ -235,6 +260,7 @@ def _generate(sub: argparse._SubParsersAction) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from specstream.sampling_params import SamplingParams
+    from specstream.summary import generation_summary
 
     if args.prompt_file:
         with open(args.prompt_file, encoding="utf-8") as f:
@@ -255,7 +281,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
             llm.engine.tracer.to_chrome(args.trace)
             llm.engine.tracer.to_png(Path(args.trace).with_suffix(".png"))
-        summary = _summary(llm, out, metrics, wall)
+        summary = generation_summary(llm, out, metrics, wall)
     finally:
         llm.close()
     comp = out.outputs[0]
@@ -296,56 +322,6 @@ def _generate_with_progress(llm: Any, prompt: str, params: Any, show: bool) -> A
             bar.update((generated if decoding else min(last.num_computed_tokens, len(ids)))
                        - bar.n)
     return last
-
-
-def _summary(llm: Any, out: Any, m: dict[str, Any], wall: float) -> str:
-    """What the engine did for one generation, in a few lines a newcomer can read."""
-    comp, cfg, policy = out.outputs[0], llm.config, llm.engine.kv.policy
-    n = len(comp.token_ids)
-    lines = [f"[{n} tokens from a {len(out.prompt_token_ids)}-token prompt in {wall:.2f} s, "
-             f"finish_reason={comp.finish_reason}]"]
-    if comp.error:
-        lines.append(f"  error         {comp.error}")
-    how = {"none": "all KV on the device", "restore": "offloaded history restored layer by layer",
-           "stream": f"offloaded history streamed in {cfg.chunk_tokens}-token chunks"}
-    auto = cfg.policy == "auto"
-    spec = (f"{cfg.proposer} proposer, {'up to ' if auto else ''}{cfg.q} draft tokens per round"
-            if cfg.speculative else "no speculation")
-    if cfg.tree:
-        spec = (f"{cfg.proposer} proposer, token trees {'up to ' if auto else ''}{cfg.q} deep "
-                f"of up to {cfg.num_draft_tokens} nodes (top-{cfg.speculative_topk} children)")
-    if auto:
-        spec += " (speculative_policy auto: each round's shape chosen from measurements)"
-    lines.append(f"  mode          {cfg.mode}: {how[cfg.mode_spec.history]}; {spec}")
-    if cfg.speculative:
-        chosen = ", ".join(f"{d}: {n}" for d, n in sorted(m["speculative_depth_chosen"].items()))
-        lines.append(f"  speculation   {m['rounds']:.0f} rounds, mean accepted length "
-                     f"{m['mean_accepted_len']:.2f} tokens per round, acceptance rate "
-                     f"{m['acceptance_rate']:.2f}" + (f"; steps by depth chosen {{{chosen}}}"
-                                                      if chosen else ""))
-    if cfg.tree:
-        lines.append(f"  trees         {m['mean_tree_nodes_per_round']:.1f} nodes verified per "
-                     f"round; accepted by depth {m['accepted_per_pos']}")
-    lines.append(f"  link          {_mb(m['link_bytes_h2d'])} host->device (restores), "
-                 f"{_mb(m['link_bytes_d2h'])} device->host (write-backs)")
-    if policy.fill:
-        offload = (f"; residency fill: every full block written through to the host, the "
-                   f"device keeps what fits (at least the newest {policy.resident_tail_tokens} "
-                   f"tokens); {_mb(m['link_bytes_per_round'])} of history per round (floor "
-                   f"{_mb(m['link_bytes_floor_per_round'])})")
-    elif policy.offload:
-        offload = (f"; history past {policy.offload_after_tokens} tokens offloaded, newest "
-                   f"{policy.resident_tail_tokens} kept on the device")
-    else:
-        offload = ""
-    lines.append(f"  KV peaks      device {_mb(m['device_kv_peak_bytes'])} of a "
-                 f"{_mb(m['device_kv_budget_bytes'])} budget, host "
-                 f"{_mb(m['host_kv_peak_bytes'])}{offload}")
-    return "\n".join(lines)
-
-
-def _mb(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 1e6:.1f} MB"
 
 
 def _optional_commands(sub: argparse._SubParsersAction) -> None:

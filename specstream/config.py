@@ -1,9 +1,23 @@
-"""Engine configuration: one frozen dataclass, validated once; modes as a small registry."""
+"""Engine configuration: one frozen dataclass, validated once (what its defaults resolve to:
+``specstream.defaults``; the modes: ``specstream.modes``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from specstream.defaults import (
+    AUTO_MAX_DEPTH,
+    CPU_DEVICE_KV_BYTES,
+    DEFAULT_SPECULATIVE_TOKENS,
+    DEFAULT_TREE_NODES,
+    DEFAULT_TREE_TOPK,
+    MAX_TREE_NODES,
+    GiB,
+    default_offload_after,
+    detect_device,
+    spare_host_cores,
+)
+from specstream.modes import MODES, ModeSpec
 from specstream.options import (
     AttentionBackend,
     Choice,
@@ -18,80 +32,19 @@ from specstream.options import (
 )
 from specstream.sampling_params import MAX_SPECULATIVE_TOKENS
 
-
-@dataclass(frozen=True)
-class ModeSpec:
-    """What one engine mode does; modes differ only in schedule, never in output."""
-
-    name: Mode
-    # True: history past offload_after_tokens lives in the host tier.
-    offload: bool
-    # How host history reaches attention: not at all, whole layers restored (then attention;
-    # the next layer prefetched meanwhile), or chunks attended as they land.
-    history: History
-    # Whether rounds verify draft tokens.
-    speculative: bool
-    # Devices the mode occupies (parallel-spec drafts on a second one).
-    devices: int = 1
-    # Where drafting runs: after verification, in the link's gaps (specstream), or on a
-    # second device.
-    drafting: Drafting = Drafting.SEQUENTIAL
-    # True: the mode is defined by verifying drafts, so it refuses to run without a proposer
-    # (without one it would silently be `offload` or `stream`).
-    needs_drafts: bool = False
-
-    @property
-    def two_groups(self) -> bool:
-        """Requests form two groups that alternate: one verifies while the other drafts (in
-        the link's gaps, or on the second device)."""
-        return self.drafting is not Drafting.SEQUENTIAL
-
-
-MODES: dict[str, ModeSpec] = {
-    m.name: m
-    for m in (
-        ModeSpec(Mode.RESIDENT, offload=False, history=History.NONE, speculative=True),
-        ModeSpec(Mode.OFFLOAD, offload=True, history=History.RESTORE, speculative=False),
-        ModeSpec(Mode.STREAM, offload=True, history=History.STREAM, speculative=False),
-        ModeSpec(Mode.OFFLOAD_SPEC, offload=True, history=History.RESTORE, speculative=True,
-                 needs_drafts=True),
-        ModeSpec(Mode.SPECSTREAM, offload=True, history=History.STREAM, speculative=True,
-                 drafting=Drafting.GAPS, needs_drafts=True),
-        ModeSpec(Mode.PARALLEL_SPEC, offload=True, history=History.RESTORE, speculative=True,
-                 devices=2, drafting=Drafting.PARALLEL, needs_drafts=True),
-    )
-}
-
-GiB = 1 << 30
-# Draft tokens per round when a proposer is given without a number (the reference
-# implementation's middle choice of {1, 2, 4, 6, 8}).
-DEFAULT_SPECULATIVE_TOKENS = 4
-# Most nodes of one request's token tree per round (Sequoia and SpecExec size trees for
-# offloaded inference up to a few hundred at batch 1; batched, 64 query positions a request is
-# already far past what a round's verification compute hides behind the link).
-MAX_TREE_NODES = 64
-
-
-def default_offload_after(max_model_len: int) -> int:
-    """The offload threshold for a model whose context is ``max_model_len`` tokens: the
-    reference implementation offloads past 8192 tokens, set for 32K contexts (a quarter of
-    them); a model with a shorter context offloads past a quarter of its own, so its long
-    requests still exercise offloading (2048 tokens for the embedded 8K-context pair)."""
-    return max(1, min(8192, max_model_len // 4))
-
-
-def detect_device() -> str:
-    """``device="auto"``: "cuda" when this torch sees a CUDA device, else "cpu"."""
-    import torch  # here, not at import: the scheduler and its tests stay torch-free
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
+# the defaults and the modes, importable from here as before
+__all__ = ["AUTO_MAX_DEPTH", "CPU_DEVICE_KV_BYTES", "DEFAULT_SPECULATIVE_TOKENS",
+           "DEFAULT_TREE_NODES", "DEFAULT_TREE_TOPK", "MAX_TREE_NODES", "MODES", "EngineConfig",
+           "GiB", "ModeSpec", "default_offload_after", "detect_device", "spare_host_cores"]
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine is built from. Facts found at run time live in the engine."""
 
-    mode: Mode = Mode.RESIDENT
+    # None (the default): the engine at its best, `specstream` where there is a proposer and
+    # `stream` (the same streamed history, no drafts) where there is none; under `fill`, a
+    # workload that fits the device moves nothing. The other modes are ablations and baselines.
+    mode: Mode | None = None
     # "cpu", "cuda" / "cuda:N", or "auto" (the default, as vLLM's): CUDA when this torch sees a
     # CUDA device, else cpu; resolved once, here.
     device: str = "auto"
@@ -99,8 +52,10 @@ class EngineConfig:
     # KV blocks: tokens per block in both tiers.
     block_size: int = 128
     # Device memory for KV: resident tails, staging buffers (and, in `restore` modes, the
-    # restored layers). None = 4 GiB on cpu.
+    # restored layers). None: on CUDA gpu_memory_utilization of the memory free once the models
+    # are loaded (vLLM's name; its fraction is of the whole device); on cpu CPU_DEVICE_KV_BYTES.
     device_kv_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     # Host memory for offloaded KV.
     host_kv_bytes: int = 8 * GiB
     # Newest tokens of each request kept on the device (where new KV is written).
@@ -118,9 +73,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Attention over cold history on the host CPU (offloading modes): "off", or "auto" (each
     # step gives the host the share of every request's cold chunks that the measured host
-    # attention rate and link rate finish together; engine/exec/host_attention.py).
+    # attention rate and link rate finish together, nothing where the host is slower or the
+    # round compute-bound; engine/exec/host_attention.py). None (the default): "auto" where
+    # the host has cores the engine's own threads leave (``spare_host_cores``), else "off".
     # host_attention_fraction fixes that share instead (for tests and ablations).
-    host_attention: HostAttentionMode = HostAttentionMode.OFF
+    host_attention: HostAttentionMode | None = None
     host_attention_fraction: float | None = None
     # Threads of the host attention worker (None: the cores the engine's two threads leave).
     host_attention_threads: int | None = None
@@ -156,15 +113,19 @@ class EngineConfig:
     max_model_len: int | None = None
     # Tokens of prefill a step may carry (prefill is chunked by this).
     max_prefill_tokens: int = 1024
-    # Draft tokens per round (q); None: DEFAULT_SPECULATIVE_TOKENS with a proposer, else 0.
+    # Draft tokens per round (q); None: with a proposer DEFAULT_SPECULATIVE_TOKENS under the
+    # fixed policy and AUTO_MAX_DEPTH (the deepest the policy may go) under auto, else 0.
     # With token trees: the depth of a request's tree.
     num_speculative_tokens: int | None = None
     # Token trees (SGLang's --speculative-eagle-topk): children per expanded node of a
-    # request's draft tree; 1 = a chain of num_speculative_tokens drafts (no tree).
-    speculative_topk: int = 1
+    # request's draft tree; 1 = a chain of num_speculative_tokens drafts (no tree). None: the
+    # policy's to choose where the draft model proposes under speculative_policy auto (trees of
+    # up to DEFAULT_TREE_TOPK children and DEFAULT_TREE_NODES nodes allowed), else 1.
+    speculative_topk: int | None = None
     # Token trees: draft tokens (tree nodes) per request and round, the last accepted token not
-    # counted (SGLang's --speculative-num-draft-tokens counts it). None: num_speculative_tokens
-    # (a chain's q). Each is a query position of the round and a KV slot until acceptance.
+    # counted (SGLang's --speculative-num-draft-tokens counts it). None: DEFAULT_TREE_NODES
+    # where trees are allowed by default, else num_speculative_tokens (a chain's q). Each is a
+    # query position of the round and a KV slot until acceptance.
     speculative_num_draft_tokens: int | None = None
     # "fixed": every round drafts num_speculative_tokens (a tree as configured). "auto":
     # before each round the engine chooses the shape (a chain of depth 0 = no speculation up
@@ -203,6 +164,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.device_kv_bytes is not None and self.device_kv_bytes <= 0:
             raise ValueError(f"device_kv_bytes must be > 0, got {self.device_kv_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if self.resident_tail_tokens < 0 or (self.offload_after_tokens or 0) < 0:
             raise ValueError("resident_tail_tokens and offload_after_tokens must be >= 0")
         if self.chunk_tokens % self.block_size:
@@ -233,6 +197,12 @@ class EngineConfig:
         ``policy``), not filled in."""
         if self.device == "auto":
             object.__setattr__(self, "device", detect_device())
+        if self.mode is None:
+            object.__setattr__(self, "mode", Mode.SPECSTREAM if self.proposer else Mode.STREAM)
+        if self.host_attention is None:
+            spare = spare_host_cores(self.compute_threads)
+            object.__setattr__(self, "host_attention",
+                               HostAttentionMode.AUTO if spare else HostAttentionMode.OFF)
         for f in fields(self):
             kind = _CHOICES.get(f.name)
             value = getattr(self, f.name)
@@ -270,7 +240,7 @@ class EngineConfig:
         if self.drafting is Drafting.PARALLEL:
             raise ValueError(f"drafting must be 'sequential' or 'gaps' (or None: the mode's), "
                              f"got {self.drafting!r}")
-        if not self.proposer or MODES[self.mode].devices != 1:
+        if not self.proposer or self.mode_spec.devices != 1:
             raise ValueError(f"drafting={self.drafting!r} replaces a one-device speculative "
                              f"mode's drafting; mode {self.mode!r} with proposer "
                              f"{self.proposer!r} has none to replace")
@@ -300,10 +270,11 @@ class EngineConfig:
     def _check_tree(self, q: int) -> None:
         """Token trees: a draft model's top-k children under a node budget of at least the
         depth; the n-gram proposer drafts chains only."""
-        topk, budget = self.speculative_topk, self.speculative_num_draft_tokens
-        for name, value in (("speculative_topk", topk), ("speculative_num_draft_tokens", budget)):
+        for name in ("speculative_topk", "speculative_num_draft_tokens"):
+            value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise TypeError(f"{name} must be an integer, got {value!r}")
+        topk, budget = self.topk, self.speculative_num_draft_tokens
         if not 1 <= topk <= MAX_TREE_NODES:
             raise ValueError(f"speculative_topk must be in [1, {MAX_TREE_NODES}], got {topk}")
         if topk > 1 and self.proposer is not Proposer.DRAFT:
@@ -331,7 +302,8 @@ class EngineConfig:
 
     @property
     def mode_spec(self) -> ModeSpec:
-        spec = MODES[self.mode]
+        """The mode's spec (``mode`` is set once validated: None resolves in ``_normalise``)."""
+        spec = MODES[self.mode or Mode.STREAM]
         return spec if self.drafting is None else replace(spec, drafting=self.drafting)
 
     @property
@@ -341,11 +313,38 @@ class EngineConfig:
 
     @property
     def q(self) -> int:
-        """Draft tokens per round: ``num_speculative_tokens``, or without one
-        DEFAULT_SPECULATIVE_TOKENS with a proposer (0 = none)."""
+        """Draft tokens per round: ``num_speculative_tokens``, or without one (with a
+        proposer) DEFAULT_SPECULATIVE_TOKENS under the fixed policy and AUTO_MAX_DEPTH under
+        auto (the deepest the policy may choose; 0 = no proposer)."""
         if self.num_speculative_tokens is not None:
             return self.num_speculative_tokens
-        return DEFAULT_SPECULATIVE_TOKENS if self.proposer else 0
+        if not self.proposer:
+            return 0
+        return AUTO_MAX_DEPTH if self.policy is SpeculativePolicy.AUTO else (
+            DEFAULT_SPECULATIVE_TOKENS)
+
+    @property
+    def fixed_depth(self) -> int:
+        """Draft tokens of a round the policy does not shape (fixed policy, seeded sampled
+        requests): ``num_speculative_tokens``, or DEFAULT_SPECULATIVE_TOKENS with a proposer."""
+        if self.num_speculative_tokens is not None or not self.proposer:
+            return self.q
+        return DEFAULT_SPECULATIVE_TOKENS
+
+    @property
+    def trees_by_default(self) -> bool:
+        """No tree option was given and the policy may choose trees: a draft model proposes
+        under speculative_policy auto."""
+        return (self.speculative_topk is None and self.proposer is Proposer.DRAFT
+                and self.policy is SpeculativePolicy.AUTO)
+
+    @property
+    def topk(self) -> int:
+        """Children per expanded tree node at most: ``speculative_topk``, or without one
+        DEFAULT_TREE_TOPK where trees are allowed by default, else 1 (chains)."""
+        if self.speculative_topk is not None:
+            return self.speculative_topk
+        return DEFAULT_TREE_TOPK if self.trees_by_default else 1
 
     @property
     def policy(self) -> SpeculativePolicy:
@@ -357,13 +356,15 @@ class EngineConfig:
     @property
     def tree(self) -> bool:
         """Rounds verify token trees (more than one child per expanded node)."""
-        return self.speculative_topk > 1
+        return self.topk > 1
 
     @property
     def num_draft_tokens(self) -> int:
         """Draft tokens (tree nodes) of one request per round: the node budget with trees,
         q for chains (0 without speculation)."""
         budget = self.speculative_num_draft_tokens
+        if budget is None and self.trees_by_default:
+            budget = max(DEFAULT_TREE_NODES, self.q)
         return budget if budget is not None and self.speculative else self.q
 
     @property
@@ -372,9 +373,17 @@ class EngineConfig:
         its drafts."""
         return self.num_draft_tokens + 1
 
-    @property
-    def device_budget(self) -> int:
-        return self.device_kv_bytes if self.device_kv_bytes is not None else 4 * GiB
+    def device_budget(self, free_device_bytes: int | None = None) -> int:
+        """Device bytes for KV: ``device_kv_bytes``, or without it on CUDA
+        gpu_memory_utilization of ``free_device_bytes`` (what the device has free once the
+        models are loaded) and on cpu CPU_DEVICE_KV_BYTES."""
+        if self.device_kv_bytes is not None:
+            return self.device_kv_bytes
+        if self.device.startswith("cuda"):
+            if free_device_bytes is None:
+                raise ValueError("the CUDA device budget needs the device's free memory")
+            return int(self.gpu_memory_utilization * free_device_bytes)
+        return CPU_DEVICE_KV_BYTES
 
 
 # the named options' types, by field (``_normalise``)

@@ -51,9 +51,9 @@ def default_model_dir(kind: str = "target") -> Path:
 class LLM:
     """Load a model folder and generate for many prompts at once.
 
-    ``model=None`` uses the embedded default target; with ``proposer="draft"`` and no
-    ``draft_model`` the embedded default draft is used. Other keyword arguments are
-    :class:`EngineConfig` fields (mode, device_kv_bytes, num_speculative_tokens, seed,
+    ``model=None`` uses the embedded default target, and the embedded default draft where the
+    options speculate (the default mode does) and name no ``draft_model``. Other keyword
+    arguments are :class:`EngineConfig` fields (mode, device_kv_bytes, num_speculative_tokens, seed,
     max_model_len, enable_prefix_caching, ...).
 
     ``speculative_config`` takes vLLM's dict (``{"method": "draft_model", "model": DIR,
@@ -245,11 +245,13 @@ def _prompt_text(prompt: Prompt) -> str | None:
 
 def _wants_draft(kwargs: dict[str, Any]) -> bool:
     """Whether options for the embedded target ask for speculation without naming a proposer
-    (draft tokens per round, token trees, or a mode that verifies drafts): the embedded draft
-    answers."""
+    (no mode: the default, which speculates where it can; draft tokens per round, token trees,
+    or a mode that verifies drafts): the embedded draft answers."""
     proposer = kwargs.get("proposer")
     if proposer is not None:
         return bool(proposer == "draft")
-    mode = MODES.get(kwargs.get("mode", EngineConfig.mode))
+    if kwargs.get("mode") is None:
+        return True
+    mode = MODES.get(kwargs["mode"])
     return (bool(kwargs.get("num_speculative_tokens")) or (kwargs.get("speculative_topk") or 1) > 1
             or (mode is not None and mode.needs_drafts))

@@ -96,7 +96,7 @@ def test_ladder_runs_every_step_exactly_and_the_preset_sets_the_link(tiny_target
     assert rc == 0
     report = json.loads(out.read_text())
     rows = report["ladder"]
-    assert [r["mode"] for r in rows] == ["offload-spec"] + ["specstream"] * 4
+    assert [r["mode"] for r in rows] == ["offload-spec"] + ["specstream"] * 5 + ["offload-spec"]
     assert all(r["outputs_match_reference"] for r in rows)
     # the preset: tail residency over a 0.1 GB/s link, 64 output tokens
     assert report["settings"]["link_gbps"] == 0.1 and report["settings"]["residency"] == "tail"
@@ -110,4 +110,9 @@ def test_ladder_runs_every_step_exactly_and_the_preset_sets_the_link(tiny_target
     chosen = {int(d): n for d, n in rows[4]["speculative_depth_chosen"].items()}
     mean_depth = sum(d * n for d, n in chosen.items()) / sum(chosen.values())
     assert 0.75 * (1 + mean_depth) < rows[4]["mean_accepted_len"] <= 1 + max(chosen)
-    assert "last_over_first" in report["ratios"] and "--ladder" in report["command"]
+    ratios = report["ratios"]
+    assert ratios["default_over_first"] == pytest.approx(
+        rows[5]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"])
+    assert ratios["accepted_default_over_control"] == pytest.approx(
+        rows[5]["mean_accepted_len"] / rows[6]["mean_accepted_len"])
+    assert "--ladder" in report["command"]

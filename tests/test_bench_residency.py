@@ -16,7 +16,10 @@ from specstream.cli import main
 TINY_KV_PER_TOKEN = 2 * 8 * 2 * 16
 TINY = ["--context-len", "400", "--num-requests", "4", "--output-len", "8",
         "--chunk-tokens", "128", "--block-size", "16", "--resident-tail-tokens", "128",
-        "--offload-after-tokens", "128", "--link-gbps", "2"]
+        "--offload-after-tokens", "128", "--link-gbps", "2",
+        # chains of 4: in 16-token blocks the default trees' 33 slots a request would take
+        # three of a request's 26 blocks, and these tests are about residency
+        "-q", "4", "--speculative-topk", "1"]
 
 
 def test_device_kv_fraction_is_that_share_of_the_workloads_kv(tiny_target):
@@ -29,8 +32,10 @@ def test_device_kv_fraction_is_that_share_of_the_workloads_kv(tiny_target):
     record = apply_fraction(cpu, workload, 0.25)
     assert cpu.device_kv_bytes == int(0.25 * tokens * TINY_KV_PER_TOKEN * 4)
     # the resident reference holds every request's blocks at once: prompt + output + one
-    # round's drafts (q = 4), block-rounded, plus one block, with 10% to spare
-    blocks = (-(-(408 + 5) // 16) + 1) + (-(-(308 + 5) // 16) + 1)
+    # round's drafts (the default policy's largest tree: 32 nodes), block-rounded, plus one
+    # block, with 10% to spare
+    assert cpu.resolved("specstream").verify_tokens == 33
+    blocks = (-(-(408 + 33) // 16) + 1) + (-(-(308 + 33) // 16) + 1)
     assert cpu.reference_device_kv_bytes == resident_fit_bytes(workload, cpu)
     assert cpu.reference_device_kv_bytes == int(1.1 * blocks * 16 * TINY_KV_PER_TOKEN * 4)
     assert record["device_kv_fraction"] == 0.25

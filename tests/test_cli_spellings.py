@@ -179,7 +179,8 @@ def test_prompt_dicts_as_vllms(llm: LLM) -> None:
 
 def test_generate_seed_seeds_the_engine_and_the_request(llm: LLM, capsys: Any) -> None:
     argv = ["generate", "--prompt", PROMPT, "--max-tokens", "12", "--temperature", "2",
-            "--device-kv-bytes", "5e7", "--json"]
+            "--device-kv-bytes", "5e7", "--json",  # the fixture's speculation: a seeded
+            "--proposer", "ngram", "-q", "3", "--speculative-policy", "fixed"]  # draw follows it
     assert main([*argv, "--seed", "3"]) == 0
     cli = json.loads(capsys.readouterr().out)["token_ids"]
 

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from specstream import LLM, SamplingParams
-from specstream.config import EngineConfig
+from specstream.config import (
+    AUTO_MAX_DEPTH,
+    CPU_DEVICE_KV_BYTES,
+    DEFAULT_TREE_NODES,
+    DEFAULT_TREE_TOPK,
+    EngineConfig,
+    spare_host_cores,
+)
 from specstream.sampling_params import derive_seed
 
 OFFLOAD = dict(block_size=16, chunk_tokens=64, resident_tail_tokens=32, offload_after_tokens=64,
@@ -172,9 +179,41 @@ def test_config_refuses_speculation_it_would_not_do(kwargs, message):
         EngineConfig(**kwargs)
 
 
-def test_a_proposer_without_q_drafts_four():
-    assert EngineConfig(proposer="ngram").q == 4
+def test_a_proposer_without_q_drafts_four_fixed_and_up_to_eight_auto():
+    assert EngineConfig(proposer="ngram", speculative_policy="fixed").q == 4
+    auto = EngineConfig(proposer="ngram")
+    assert auto.policy == "auto" and auto.q == AUTO_MAX_DEPTH == 8 and auto.fixed_depth == 4
+    assert not auto.tree  # the n-gram proposer drafts chains
     assert EngineConfig().q == 0
+
+
+def test_the_default_mode_streams_and_speculates_where_it_can():
+    assert EngineConfig().mode == "stream" and not EngineConfig().speculative
+    cfg = EngineConfig(proposer="draft", draft_model="d")
+    assert cfg.mode == "specstream" and cfg.policy == "auto"
+    # trees are the policy's to choose, within the documented limits
+    assert cfg.trees_by_default and cfg.topk == DEFAULT_TREE_TOPK == 4
+    assert cfg.num_draft_tokens == DEFAULT_TREE_NODES == 32 and cfg.verify_tokens == 33
+    chain = EngineConfig(proposer="draft", draft_model="d", speculative_topk=1)
+    assert not chain.tree and chain.num_draft_tokens == 8
+    fixed = EngineConfig(proposer="draft", draft_model="d", speculative_policy="fixed")
+    assert not fixed.tree and fixed.q == 4
+    assert EngineConfig(device="cpu").device_budget() == CPU_DEVICE_KV_BYTES
+    cuda = EngineConfig(device="cuda", gpu_memory_utilization=0.5)
+    assert cuda.device_budget(8 << 30) == 4 << 30
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=1.5)
+
+
+def test_host_attention_is_auto_where_the_engine_leaves_cores(monkeypatch):
+    import os
+
+    for cores, want in ((1, "off"), (2, "off"), (3, "auto"), (16, "auto")):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        # the engine's threads: one compute thread and the link's copy thread
+        assert EngineConfig(compute_threads=1).host_attention == want
+        assert spare_host_cores(1) == max(0, cores - 2)
+    assert EngineConfig(host_attention="off").host_attention == "off"
 
 
 def test_embedded_target_speculates_when_asked():
@@ -182,11 +221,12 @@ def test_embedded_target_speculates_when_asked():
     embedded target used to run without speculation; now they draft."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for kwargs, proposer in [(dict(mode="specstream", num_speculative_tokens=4), "draft"),
-                             (dict(mode="specstream"), "draft"),
+                             (dict(mode="specstream"), "draft"), ({}, "draft"),
                              (dict(proposer="ngram"), "ngram")]:
         llm = LLM(**kwargs)
         try:
-            assert llm.config.proposer == proposer and llm.config.q == 4
+            assert llm.config.proposer == proposer and llm.config.mode == "specstream"
+            assert llm.config.q == (4 if kwargs.get("num_speculative_tokens") else 8)
             llm.generate(["def f(x):\n    return x\n" * 4], params, use_tqdm=False)
             assert llm.get_metrics()["proposed_tokens"] > 0
         finally:

@@ -112,7 +112,7 @@ def test_restore_room_is_reserved_per_request(tiny_target, tiny_draft):
     exactly; a budget too small for one is refused with the reason."""
     prompts = _prompts((600, 580), seed=5)
     ref, _ = _run(tiny_target, prompts, mode="resident", device_kv_bytes=16 << 20)
-    kw = dict(mode="offload-spec", draft_model=tiny_draft, num_speculative_tokens=3,
+    kw = dict(mode="offload-spec", draft_model=tiny_draft, num_speculative_tokens=3, speculative_topk=1,
               block_size=16, chunk_tokens=64, resident_tail_tokens=32, offload_after_tokens=64,
               max_prefill_tokens=32, residency="tail")
     tokens, m = _run(tiny_target, prompts, device_kv_bytes=1_000_000, **kw)

@@ -29,7 +29,7 @@ def calibration_from(
     target = s.model or default_model_dir("target")
     draft = s.draft_model or default_model_dir("draft")
     dtype_bytes = 4 if s.device == "cpu" and s.dtype in ("auto", "float32") else 2
-    q = s.num_speculative_tokens
+    q = s.resolved("resident").q
     verify, draft_steps = [], []
     for r in results.get("resident", {}).get("rounds", []):
         # resident rounds: no link; compute = verification + sequential drafting. Rounds that

@@ -95,9 +95,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="multiturn: turns per conversation")
     p.add_argument("--message-len", type=int, default=MESSAGE_LEN,
                    help="multiturn: tokens of each turn's user message")
-    p.add_argument("--host-attention", choices=["off", "auto"], default="off",
+    p.add_argument("--host-attention", choices=["off", "auto"], default=None,
                    help="offloading modes: attend part of each request's cold history on the "
-                        "host CPU beside the link (auto), or not (default: off)")
+                        "host CPU beside the link (auto), or not (default: the engine's, auto "
+                        "where the host has cores the engine's threads leave)")
     p.add_argument("--no-merge-groups", action="store_true",
                    help="specstream: two groups even where verification hides the link")
     p.add_argument("--host-attention-gbps", type=float, default=None,
@@ -118,10 +119,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="what the offloading modes keep on the device: fill (free device "
                         "blocks hold the newest history; only the overflow streams) or tail "
                         "(a fixed resident tail per request)")
-    p.add_argument("-q", "--num-speculative-tokens", type=int, default=4,
-                   help="draft tokens per round in the speculative modes (a tree's depth)")
-    p.add_argument("--speculative-topk", type=int, default=1,
-                   help="token trees: children per expanded node (1: chains of -q drafts)")
+    p.add_argument("-q", "--num-speculative-tokens", type=int, default=None,
+                   help="draft tokens per round in the speculative modes (a tree's depth; "
+                        "default: the engine's, up to 8 under auto, 4 under fixed)")
+    p.add_argument("--speculative-topk", type=int, default=None,
+                   help="token trees: children per expanded node (1: chains of -q drafts; "
+                        "default: the engine's, trees of up to 4 under auto)")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="token trees: nodes per request and round, the last accepted token not "
                         "counted (default: -q)")
@@ -369,19 +372,16 @@ def _argv(args: argparse.Namespace) -> list[str]:
         out += ["--workload", args.workload, "--turns", str(args.turns),
                 "--message-len", str(args.message_len)]
     for k in ("context_len", "num_requests", "output_len", "link_gbps", "device_kv_bytes",
-              "num_speculative_tokens", "chunk_tokens", "staging_buffers", "wave_requests",
-              "residency"):
+              "chunk_tokens", "staging_buffers", "wave_requests", "residency"):
         if args.sweep_residency and k in ("device_kv_bytes", "residency"):
             continue  # the sweep sets both per point
         if k == "device_kv_bytes" and args.device_kv_fraction is not None:
             k = "device_kv_fraction"  # the budget it resolves to is in the settings
         out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-    if args.speculative_topk != 1:
-        out += ["--speculative-topk", str(args.speculative_topk)]
-    if args.speculative_num_draft_tokens is not None:
-        out += ["--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens)]
-    if args.host_attention != "off":
-        out += ["--host-attention", args.host_attention]
+    for k in ("num_speculative_tokens", "speculative_topk", "speculative_num_draft_tokens",
+              "host_attention"):
+        if getattr(args, k) is not None:
+            out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     if args.host_attention_gbps:
         out += ["--host-attention-gbps", str(args.host_attention_gbps)]
     if args.speculative_policy is not None:

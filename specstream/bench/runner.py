@@ -10,6 +10,7 @@ from typing import Any
 
 from specstream.bench.floors import ComputeModel, add_floors
 from specstream.bench.workload import Workload, build_prompts
+from specstream.config import MODES, EngineConfig
 from specstream.llm import LLM, default_model_dir
 from specstream.models.config import ModelConfig
 from specstream.models.loader import resolve_dtype
@@ -31,10 +32,11 @@ class BenchSettings:
     reference_device_kv_bytes: int | None = None
     host_kv_bytes: int = 4 << 30
     link_gbps: float | None = 1.0
-    num_speculative_tokens: int = 4
-    # Token trees: children per expanded node (1: chains) and nodes per request and round
-    # (None: num_speculative_tokens).
-    speculative_topk: int = 1
+    # Draft tokens per round, children per expanded tree node (1: chains) and nodes per request
+    # and round; None: the engine's defaults (EngineConfig: under auto the policy's limits,
+    # trees included).
+    num_speculative_tokens: int | None = None
+    speculative_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
     # "fixed" (q drafts a round) or "auto" (the engine chooses each round's shape); None: the
     # engine's default (auto)
@@ -58,8 +60,9 @@ class BenchSettings:
     # Automatic prefix caching in every run (False: --no-prefix-caching). The multi-turn
     # workload runs each mode both ways whatever this says, unless it is False.
     enable_prefix_caching: bool = True
-    # Attention over cold history on the host CPU in the offloading modes ("off" | "auto").
-    host_attention: str = "off"
+    # Attention over cold history on the host CPU in the offloading modes ("off" | "auto";
+    # None: the engine's default, auto where the host has cores to spare).
+    host_attention: str | None = None
     # specstream's groups merge where the link hides nothing (EngineConfig.merge_groups)
     merge_groups: bool = True
     seed: int = 0
@@ -78,16 +81,20 @@ class BenchSettings:
                   max_prefill_tokens=self.max_prefill_tokens, max_num_seqs=self.max_num_seqs,
                   enable_prefix_caching=self.enable_prefix_caching,
                   merge_groups=self.merge_groups, seed=self.seed)
-        if mode != "resident" and self.host_attention != "off":
+        if self.host_attention is not None:
             kw.update(host_attention=self.host_attention)
         kw.update(self.extra)
-        if mode != "offload":
+        if MODES[mode].speculative:
             kw.update(proposer="draft", num_speculative_tokens=self.num_speculative_tokens,
                       speculative_policy=self.speculative_policy)
-            if self.speculative_topk != 1 or self.speculative_num_draft_tokens is not None:
-                kw.update(speculative_topk=self.speculative_topk,
-                          speculative_num_draft_tokens=self.speculative_num_draft_tokens)
+            kw.update(speculative_topk=self.speculative_topk,
+                      speculative_num_draft_tokens=self.speculative_num_draft_tokens)
         return kw
+
+    def resolved(self, mode: str) -> EngineConfig:
+        """The EngineConfig a mode runs with (the draft's folder aside): what the engine's
+        defaults make of the options left unset."""
+        return EngineConfig(**self.engine_kwargs(mode), draft_model="draft")
 
 
 def workload_kv_bytes(workload: Workload, s: BenchSettings) -> int:
@@ -102,7 +109,7 @@ def resident_fit_bytes(workload: Workload, s: BenchSettings) -> int:
     10% to spare."""
     per_token = _target_config(s).kv_bytes_per_token(_dtype_bytes(s))
     bs = s.block_size
-    step = (s.speculative_num_draft_tokens or s.num_speculative_tokens) + 1
+    step = s.resolved("specstream").verify_tokens
     blocks = sum(-(-(n + workload.output_len + step) // bs) + 1
                  for n in workload.context_lengths)
     return int(1.1 * blocks * bs * per_token)

@@ -35,14 +35,19 @@ class RuntimeLayout:
     # requests per wave (the configured ones where the budget can spare them).
     staging_buffers: int = 2
     wave_requests: int = 8
+    # The device KV budget this run (``EngineConfig.device_budget``).
+    device_budget_bytes: int = 0
 
     @classmethod
     def build(cls, config: EngineConfig, model: ModelConfig, dtype_bytes: int,
-              eos_token_ids: frozenset[int]) -> RuntimeLayout:
+              eos_token_ids: frozenset[int], free_device_bytes: int | None = None
+              ) -> RuntimeLayout:
+        """``free_device_bytes``: the device's free memory once the models are loaded (the
+        budget's base on CUDA without device_kv_bytes)."""
         mode = config.mode_spec
         layer_token_bytes = model.kv_bytes_per_token(dtype_bytes) // model.num_layers
         block_bytes = config.block_size * model.num_layers * layer_token_bytes
-        budget = config.device_budget
+        budget = config.device_budget(free_device_bytes)
         region_bytes = config.chunk_tokens * layer_token_bytes  # one chunk of one request
         buffers, wave = config.staging_buffers, config.wave_requests
         history_reserve = 0
@@ -82,6 +87,7 @@ class RuntimeLayout:
             eos_token_ids=eos_token_ids,
             staging_buffers=buffers,
             wave_requests=wave,
+            device_budget_bytes=budget,
         )
 
 

@@ -79,8 +79,12 @@ class LLMEngine:
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
+        self.attention = ATTENTION.get(resolve_backend(config.attention_backend, device))
+        self.proposer = (proposer if proposer is not None
+                         else self._make_proposer() if config.speculative else None)
         self.layout = layout = RuntimeLayout.build(config, self.model_config,
-                                                   self.dtype.itemsize, frozenset(eos))
+                                                   self.dtype.itemsize, frozenset(eos),
+                                                   _free_device_bytes(device))
         self.eos_token_ids = layout.eos_token_ids
         self.max_model_len = layout.max_model_len
         self.backend = make_backend(device.split(":")[0], link_gbps=config.link_gbps)
@@ -92,9 +96,6 @@ class LLMEngine:
                              layout.num_device_blocks, layout.num_host_blocks, self.backend)
         self.history = make_source(mode.history, self.store, config.chunk_tokens,
                                    layout.staging_buffers, layout.wave_requests)
-        self.attention = ATTENTION.get(resolve_backend(config.attention_backend, device))
-        self.proposer = (proposer if proposer is not None
-                         else self._make_proposer() if config.speculative else None)
         host = (HostAttention(self.store, config.host_attention_threads,
                               config.host_attention_gbps) if config.host_attends else None)
         self.worker = Worker(self.model, self.store, self.history, self.proposer,
@@ -129,7 +130,7 @@ class LLMEngine:
             )
         return DraftModelProposer(draft, cfg.draft_cache, cfg.draft_window_tokens,
                                   cfg.draft_sink_tokens, cfg.q, attention=self.attention,
-                                  max_draft_topk=cfg.speculative_topk)
+                                  max_draft_topk=cfg.topk)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -231,7 +232,7 @@ class LLMEngine:
         dev, host = self.kv.device, self.kv.host
         block_bytes, worker_host = self.store.block_bytes, self.worker.host
         return EngineMetrics(
-            stats=self.stats, mode=self.config.mode,
+            stats=self.stats, mode=self.config.mode_spec.name,
             speculative_depth_chosen=dict(shaper.chosen) if shaper is not None else {},
             speculative_nodes_chosen=dict(shaper.chosen_nodes) if shaper is not None else {},
             device_kv_blocks_used=dev.num_used, device_kv_blocks_total=dev.num_blocks,
@@ -243,7 +244,7 @@ class LLMEngine:
             host_attention_bytes=worker_host.bytes if worker_host else 0,
             host_attention_bytes_per_s=worker_host.rate if worker_host else 0.0,
             host_attention_share=self.scheduler.host_share,
-            device_kv_budget_bytes=self.config.device_budget,
+            device_kv_budget_bytes=self.layout.device_budget_bytes,
             device_kv_peak_bytes=dev.peak_used * block_bytes + self.history.peak_bytes,
             host_kv_peak_bytes=host.peak_used * block_bytes,
             device_kv_used_bytes=dev.num_used * block_bytes,
@@ -270,3 +271,11 @@ def _maybe_tokenizer(folder: str | Path) -> Tokenizer | None:
 
 def _num_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def _free_device_bytes(device: str) -> int | None:
+    """The CUDA device's free memory now (None on cpu: its budget is a fixed default)."""
+    if not device.startswith("cuda"):
+        return None
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return int(free)

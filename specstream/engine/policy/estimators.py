@@ -53,3 +53,80 @@ class LineFit:
         if var <= 1e-12:  # one x so far: all of it is the fixed part
             return self.sy / self.n, 0.0
         return max(0.0, (self.sy - b * self.sx) / self.n), b
+
+
+@dataclass
+class PlaneFit:
+    """y = a + b1 x1 + b2 x2 by exponentially weighted least squares (b1, b2 >= 0).
+
+    Where the points do not tell x1 and x2 apart (they moved together, or one is constant),
+    ``prior_b2`` decides: b2 is drawn toward it with a weight of ``ridge`` times x2's own
+    spread, which is nothing next to genuine spread in x2 at fixed x1 and all there is where
+    x2 moved only with x1. Without a prior, points where x1 and x2 moved together are read as
+    all x2 (the cautious reading: every unit of x2 costs alike)."""
+
+    decay: float = 0.95
+    ridge: float = 0.001
+    prior_b2: float | None = None
+    n: float = 0.0
+    s1: float = 0.0
+    s2: float = 0.0
+    sy: float = 0.0
+    s11: float = 0.0
+    s12: float = 0.0
+    s22: float = 0.0
+    s1y: float = 0.0
+    s2y: float = 0.0
+
+    def add(self, x1: float, x2: float, y: float) -> None:
+        d = self.decay
+        self.n, self.s1, self.s2, self.sy = d * self.n + 1, d * self.s1 + x1, d * self.s2 + x2, \
+            d * self.sy + y
+        self.s11, self.s12, self.s22 = d * self.s11 + x1 * x1, d * self.s12 + x1 * x2, \
+            d * self.s22 + x2 * x2
+        self.s1y, self.s2y = d * self.s1y + x1 * y, d * self.s2y + x2 * y
+
+    def coef(self) -> tuple[float, float, float]:
+        """(a, b1, b2)."""
+        n = self.n
+        if n == 0:
+            return 0.0, 0.0, 0.0
+        m1, m2, my = self.s1 / n, self.s2 / n, self.sy / n
+        c11, c12, c22 = self.s11 - n * m1 * m1, self.s12 - n * m1 * m2, self.s22 - n * m2 * m2
+        c1y, c2y = self.s1y - n * m1 * my, self.s2y - n * m2 * my
+        if self.prior_b2 is None:
+            b1, b2 = self._unregularised(c11, c12, c22, c1y, c2y, m1, m2, my)
+        else:
+            lam = self.ridge * c22 + 1e-12 * (1 + self.s22)
+            b1, b2 = _solve2(c11, c12, c22 + lam, c1y, c2y + lam * self.prior_b2)
+            if b1 < 0:  # all of it is x2's (toward the prior as above)
+                b1, b2 = 0.0, (c2y + lam * self.prior_b2) / (c22 + lam)
+            if b2 < 0:
+                b2 = 0.0
+                b1 = c1y / c11 if c11 > 1e-12 else 0.0
+            b1, b2 = max(0.0, b1), max(0.0, b2)
+            if c11 <= 1e-12 and c22 <= 1e-12:  # one point's worth: x2 at the prior
+                b1, b2 = 0.0, self.prior_b2
+            if m2 > 0:  # never more per x2 than the points' mean leaves
+                b2 = min(b2, max(0.0, my - b1 * m1) / m2)
+        return max(0.0, my - b1 * m1 - b2 * m2), b1, b2
+
+    def _unregularised(self, c11: float, c12: float, c22: float, c1y: float, c2y: float,
+                       m1: float, m2: float, my: float) -> tuple[float, float]:
+        det = c11 * c22 - c12 * c12
+        if det > 1e-9 * max(1e-12, c11 * c22):
+            b1, b2 = _solve2(c11, c12, c22, c1y, c2y)
+            if b1 >= 0 and b2 >= 0:
+                return b1, b2
+        # collinear or a negative part: all of it x2's, through the origin when x2 is constant
+        if c22 > 1e-12:
+            return 0.0, max(0.0, c2y / c22)
+        return 0.0, my / m2 if m2 > 0 else 0.0
+
+
+def _solve2(a11: float, a12: float, a22: float, r1: float, r2: float) -> tuple[float, float]:
+    """[a11 a12; a12 a22] [x1; x2] = [r1; r2] (0, r2 / a22 where singular)."""
+    det = a11 * a22 - a12 * a12
+    if abs(det) <= 1e-300:
+        return 0.0, r2 / a22 if a22 else 0.0
+    return (r1 * a22 - a12 * r2) / det, (a11 * r2 - a12 * r1) / det

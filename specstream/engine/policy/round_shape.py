@@ -152,7 +152,8 @@ class RoundCosts:
 
     link_s: float = 0.0  # the round's history over the link
     verify_base_s: float = 0.0  # verification: fixed part
-    verify_per_position_s: float = 0.0  # ... and per query position (all requests)
+    verify_per_position_s: float = 0.0  # ... per query position (all requests)
+    verify_per_request_s: float = 0.0  # ... and per request verified (its history's reads)
     draft_level_s: float = 0.0  # one draft forward: fixed part
     draft_per_node_s: float = 0.0  # ... and per node drafted in it (all requests)
     # drafting's one-off cost, spread over the rounds that follow: the draft catching up on
@@ -181,7 +182,8 @@ class RoundCosts:
     def round_s(self, shape: Shape, num_requests: int, drafting: str) -> float:
         link = self.history_s(shape, num_requests)
         positions = num_requests * (1 + shape.num_nodes)
-        verify = self.verify_base_s + self.verify_per_position_s * positions
+        verify = (self.verify_base_s + self.verify_per_request_s * num_requests
+                  + self.verify_per_position_s * positions)
         draft = 0.0
         if shape.depth:
             per_level = num_requests * shape.num_nodes / shape.levels

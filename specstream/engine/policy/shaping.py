@@ -4,19 +4,23 @@ The engine feeds every verification round in (``observe``): how long its parts t
 query positions and draft tokens it had, how many drafts each request had accepted. The
 shaper keeps the estimates the cost model (``policy/round_shape.py``) reads: per-token
 acceptance (decayed counts, the model card's figure as prior), the link time of a round, the
-verification time as ``a + b x query positions`` and a draft forward's as ``c + d x tokens``
-(both exponentially weighted least squares). Before each step the scheduler asks it for the
-shape (``shape``): the candidate with the most expected tokens per second among chains of
-depth 0 (no speculation) to ``max_depth`` and, where token trees are allowed
-(``max_topk`` > 1), trees of that branching with 2, 4, 8 ... times their depth in nodes up to
-``max_nodes``. Tree rounds teach it acceptance by rank (which of a node's children the target
-took). Pure Python: it sees numbers, never tensors.
+verification time as ``a + r x requests + b x query positions`` and a draft forward's as
+``c + d x tokens`` (both exponentially weighted least squares). Before each step the scheduler
+asks it for the shape (``shape``): the candidate with the most expected tokens per second
+among chains of depth 0 (no speculation) to ``max_depth`` and, where token trees are allowed
+(``max_topk`` > 1), binary trees and trees of that branching with 2, 4, 8 ... times their
+depth in nodes up to ``max_nodes``. Tree rounds teach it acceptance by rank (which of a node's
+children the target took). Pure Python: it sees numbers, never tensors.
 
 Probing and exploration: until a verified round has had drafts, rounds draft half the allowed
 depth for one request (acceptance and the draft's cost); then the model decides. Steps that
 carry a prefill chunk teach acceptance, the link time and the draft's cost, not the
-verification line; while that line has points at one round size only, every query position is
-taken to cost alike (cautious where compute decides, moot where the link does). While the
+verification fit. Requests and query positions are priced apart (a request's history is read
+once however many positions attend it): where the rounds seen so far do not tell them apart
+(rounds that differed in request count, not in depth), a query position is priced as a prefill
+token of the target (``prior_position``, measured on prefill steps; no exploration needed), and
+before any prefill was measured every query position is taken to cost alike (cautious where
+compute decides, moot where the link does). While the
 choice is 0 nothing is drafted and nothing new is learnt about acceptance, so every
 ``explore_every``-th decision drafts one token for one request (the cheapest probe; it also
 gives the verification line a second size). Probes and explorations draft for one request of
@@ -39,7 +43,7 @@ from dataclasses import dataclass, field
 
 from specstream.config import EngineConfig
 from specstream.engine.contract import StepOutput, StepPlan
-from specstream.engine.policy.estimators import LineFit
+from specstream.engine.policy.estimators import Ewma, LineFit, PlaneFit
 from specstream.engine.policy.round_shape import (
     AcceptanceEstimate,
     HostCosts,
@@ -64,7 +68,8 @@ class RoundShaper:
     explore_every: int = 32
     acceptance: AcceptanceEstimate = field(init=False)
     link_s: float = 0.0
-    verify: LineFit = field(default_factory=LineFit)
+    verify: PlaneFit = field(default_factory=PlaneFit)  # x1 requests, x2 query positions
+    prefill_token_s: Ewma = field(default_factory=Ewma)  # the target's prefill, per token
     draft: LineFit = field(default_factory=LineFit)
     decisions: int = 0
     chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds it was chosen
@@ -90,8 +95,7 @@ class RoundShaper:
         speculation)."""
         if not (config.speculative and config.policy is SpeculativePolicy.AUTO):
             return None
-        return cls(config.q, config.mode_spec.drafting, config.speculative_topk,
-                   config.num_draft_tokens)
+        return cls(config.q, config.mode_spec.drafting, config.topk, config.num_draft_tokens)
 
     def __post_init__(self) -> None:
         # the prior by rank: the first candidate as the model card's per-token figure, the
@@ -101,31 +105,34 @@ class RoundShaper:
                                              prior_weight=20.0, decay=0.995)
         depths = sorted({d for d in DEPTHS if d <= self.max_depth} | {self.max_depth})
         self.candidates = [Shape(d) for d in depths]
-        if self.max_topk > 1:
+        # trees: binary ones and the widest allowed, each with 2, 4, 8 ... times its depth in
+        # nodes up to the budget (and the budget itself)
+        for k in sorted({min(2, self.max_topk), self.max_topk} - {1}):
             for d in (d for d in depths if d):
                 n = 2 * d
                 while n <= self.max_nodes:
-                    self.candidates.append(Shape(d, topk=self.max_topk, nodes=n))
+                    self.candidates.append(Shape(d, topk=k, nodes=n))
                     n *= 2
-                if self.max_nodes > d and Shape(d, self.max_topk, self.max_nodes) not in (
-                        self.candidates):
-                    self.candidates.append(Shape(d, topk=self.max_topk, nodes=self.max_nodes))
+                if self.max_nodes > d and Shape(d, k, self.max_nodes) not in self.candidates:
+                    self.candidates.append(Shape(d, topk=k, nodes=self.max_nodes))
 
     def observe(self, link_s: float, verify_s: float, query_tokens: int,
                 draft_steps: Sequence[float], draft_s: float,
                 verified: Sequence[tuple[int, int]],
-                tree_walks: Sequence[Sequence[tuple[int, int | None]]] = ()) -> None:
-        """One decode step: its link busy time, verification time and query positions, the
-        draft tokens of each of its draft forwards and their time, per verified chain request
-        (drafts, accepted), and per verified tree its walk ((children, rank taken) of each
-        node reached)."""
+                tree_walks: Sequence[Sequence[tuple[int, int | None]]] = (),
+                num_requests: int | None = None) -> None:
+        """One decode step: its link busy time, verification time and query positions (of
+        ``num_requests`` requests; None: the verified ones), the draft tokens of each of its
+        draft forwards and their time, per verified chain request (drafts, accepted), and per
+        verified tree its walk ((children, rank taken) of each node reached)."""
         if verified or tree_walks or query_tokens:  # it verified requests
             self.link_s = 0.7 * self.link_s + 0.3 * link_s if self.link_seen else link_s
             self.link_seen = True
             self.seen_drafts = (self.seen_drafts or any(n for n, _ in verified)
                                 or any(tree_walks))
         if query_tokens:
-            self.verify.add(query_tokens, verify_s)
+            requests = len(verified) + len(tree_walks) if num_requests is None else num_requests
+            self.verify.add(max(1, requests), query_tokens, verify_s)
         if draft_steps:
             per = draft_s / len(draft_steps)
             for n in draft_steps:
@@ -180,7 +187,7 @@ class RoundShaper:
                   if s.request_id not in out.tree_ranks]
         walks = [out.tree_ranks[s.request_id] for s in done if s.request_id in out.tree_ranks]
         self.observe(link_s, verify_s, 0 if prefill else plan.num_tokens, steps, draft_s,
-                     chains, walks)
+                     chains, walks, num_requests=len(plan.seqs))
 
     def observe_host(self, cold_bytes: float, link_bps: float, cost: HostCosts | None) -> None:
         """After a decode round with host attention on: a verified request's cold history,
@@ -190,6 +197,11 @@ class RoundShaper:
                                         or cost.seconds_per_byte_per_position)
         self.host = (cold_bytes, link_bps, cost) if has and cost is not None else None
 
+    def prior_position(self, token_s: float) -> None:
+        """The target's prefill time per token, measured on a prefill step: a verification
+        query position's price where the rounds do not tell positions and requests apart."""
+        self.verify.prior_b2 = self.prefill_token_s.add(token_s)
+
     def prior_catch_up(self, token_s: float) -> None:
         """The engine's estimate of the draft's time per token caught up on, used until a
         step measures it."""
@@ -198,12 +210,7 @@ class RoundShaper:
             self.catch_up_token_s = 0.7 * prior + 0.3 * token_s if prior else token_s
 
     def costs(self, catch_up: float = 0.0) -> RoundCosts:
-        va, vb = self.verify.coef()
-        if self.verify.n and not self.verify.spread:
-            # rounds of one size so far: every query position costs alike (the cautious
-            # reading where compute decides, moot where the link does) until rounds of
-            # another size give the line its slope
-            va, vb = 0.0, va / (self.verify.sx / self.verify.n)
+        va, vr, vb = self.verify.coef()
         da, db = self.draft.coef()
         host = {}
         if self.host is not None:
@@ -211,7 +218,8 @@ class RoundShaper:
             host = dict(cold_bytes=cold, link_bps=link_bps, host_s_per_byte=c.seconds_per_byte,
                         host_s_per_byte_per_position=c.seconds_per_byte_per_position,
                         host_serial_s=c.serial_s)
-        return RoundCosts(link_s=self.link_s, verify_base_s=va, verify_per_position_s=vb,
+        return RoundCosts(link_s=self.link_s, verify_base_s=va, verify_per_request_s=vr,
+                          verify_per_position_s=vb,
                           draft_level_s=da, draft_per_node_s=db,
                           draft_setup_s=self._catch_up_s(catch_up), **host)
 

@@ -22,7 +22,7 @@ class DraftPlanner:
                  max_model_len: int) -> None:
         self.config, self.shaper, self.max_model_len = config, shaper, max_model_len
         # the shape this step's drafts are asked for (the policy's last choice)
-        self.shape = Shape(config.q, config.speculative_topk,
+        self.shape = Shape(config.q, config.topk,
                            config.num_draft_tokens if config.tree else 0)
 
     def choose_shape(self, running: list[Request], two_groups: bool) -> None:
@@ -79,11 +79,12 @@ class DraftPlanner:
 
     def draft(self, req: Request, after_verify: bool) -> DraftWork:
         cfg, q = self.config, req.params.num_speculative_tokens
-        depth = cfg.q if q is None else q
-        topk, nodes = cfg.speculative_topk, cfg.num_draft_tokens
+        depth = cfg.fixed_depth if q is None else q
+        topk, nodes = cfg.topk, cfg.num_draft_tokens
         if self.shaped(req):  # the policy's shape, within the request's own depth
             shape = self.shape
-            depth, topk, nodes = min(depth, shape.depth), shape.topk, shape.num_nodes
+            depth = min(cfg.q if q is None else q, shape.depth)
+            topk, nodes = shape.topk, shape.num_nodes
             if not req.params.greedy:  # a sampled request verifies a tree's children as
                 topk = 1  # point masses, which accept far less than a sampled chain
         elif self.shaper is not None:  # seeded sampling: its chain, whatever was measured

@@ -49,8 +49,8 @@ class Residency:
             blocks = seq.first + len(seq.device_blocks)
             if r.in_prefill:  # room for the whole prompt: its chunks land in the share
                 blocks = max(blocks, -(-len(r.prompt_token_ids) // bs))
-            else:
-                growth += kv.device_blocks_needed(r.request_id, self.config.verify_tokens)
+            else:  # the step's new tokens: its last one and the drafts it verifies
+                growth += kv.device_blocks_needed(r.request_id, len(r.draft_token_ids) + 1)
             pinned = len(seq.device_blocks) - seq.droppable
             floors.append(min(blocks, max(tail, pinned)))
             caps.append(blocks)

@@ -1,0 +1,98 @@
+"""Verification priced per request and per query position apart (issue 30, item 4).
+
+A compute-bound long-context round reads each request's history once however many query
+positions attend it; a line over query positions alone, fitted on rounds that differ in request
+count and not in depth, charges that read to every position and turns speculation off where it
+pays. The plane fit separates the two where the rounds do, and prices a position at the
+target's prefill time per token where they do not.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specstream.engine.policy.estimators import LineFit, PlaneFit
+from specstream.engine.policy.round_shape import RoundCosts, Shape, choose
+from specstream.engine.policy.shaping import RoundShaper
+
+# the true round: 2 ms fixed, 6 ms per request (its history), 0.2 ms per query position
+A, PER_REQUEST, PER_POSITION = 0.002, 0.006, 0.0002
+
+
+def verify_s(requests: int, positions: int) -> float:
+    return A + PER_REQUEST * requests + PER_POSITION * positions
+
+
+def test_rounds_that_differ_in_depth_give_every_part_its_price() -> None:
+    fit = PlaneFit(prior_b2=3 * PER_POSITION)  # a prior off 3x: the points outweigh it
+    for requests in (8, 6, 4, 7):
+        for depth in (0, 2, 4):
+            positions = requests * (1 + depth)
+            fit.add(requests, positions, verify_s(requests, positions))
+    a, b1, b2 = fit.coef()
+    assert a == pytest.approx(A, rel=0.05)
+    assert b1 == pytest.approx(PER_REQUEST, rel=0.02)
+    assert b2 == pytest.approx(PER_POSITION, rel=0.05)
+
+
+def test_rounds_that_differ_only_in_request_count_price_a_position_at_the_prior() -> None:
+    fit = PlaneFit(prior_b2=PER_POSITION * 1.5)
+    for requests in (8, 6, 4, 7, 5):  # all at depth 4: positions move with requests
+        fit.add(requests, requests * 5, verify_s(requests, requests * 5))
+    a, b1, b2 = fit.coef()
+    assert b2 == pytest.approx(PER_POSITION * 1.5, rel=0.01)
+    # the rest of the slope is the requests': the rounds seen are still predicted exactly
+    for requests in (8, 4):
+        assert a + b1 * requests + b2 * requests * 5 == pytest.approx(
+            verify_s(requests, requests * 5), rel=0.01)
+
+
+def test_without_a_prior_collinear_rounds_read_as_all_positions_and_one_point_fits() -> None:
+    fit = PlaneFit()
+    for requests in (8, 4):
+        fit.add(requests, requests * 5, verify_s(requests, requests * 5))
+    a, b1, b2 = fit.coef()
+    assert b1 == 0.0 and b2 > 0
+    assert a + b2 * 40 == pytest.approx(verify_s(8, 40))
+    one = PlaneFit(prior_b2=PER_POSITION)
+    one.add(8, 40, verify_s(8, 40))
+    a, b1, b2 = one.coef()
+    assert b2 == PER_POSITION and a + b1 * 8 + b2 * 40 == pytest.approx(verify_s(8, 40))
+    assert PlaneFit().coef() == (0.0, 0.0, 0.0)
+
+
+def test_the_request_price_keeps_speculation_on_where_a_position_line_turns_it_off() -> None:
+    """The case of the issue: compute-bound rounds of 8 x 4K (no link), depth 4 every round,
+    request counts varying as requests finish. A line over positions prices a position at
+    (per-request + 5 x per-position) / 5 and finds no speculation best; the plane, with the
+    prefill prior, keeps drafting."""
+    rounds = [(r, r * 5) for r in (8, 8, 7, 6, 6, 5, 4)]
+    line, plane = LineFit(), PlaneFit(prior_b2=PER_POSITION)
+    for requests, positions in rounds:
+        line.add(positions, verify_s(requests, positions))
+        plane.add(requests, positions, verify_s(requests, positions))
+    shaper = RoundShaper(4, "sequential")
+    acc = shaper.acceptance  # the prior: 0.6 per token
+    draft = dict(draft_level_s=0.0015, draft_per_node_s=0.0001)
+    la, lb = line.coef()
+    by_line = choose(shaper.candidates, 8, RoundCosts(verify_base_s=la, verify_per_position_s=lb,
+                                                      **draft), acc)
+    pa, pr, pb = plane.coef()
+    by_plane = choose(shaper.candidates, 8, RoundCosts(
+        verify_base_s=pa, verify_per_request_s=pr, verify_per_position_s=pb, **draft), acc)
+    truth = choose(shaper.candidates, 8, RoundCosts(
+        verify_base_s=A, verify_per_request_s=PER_REQUEST, verify_per_position_s=PER_POSITION,
+        **draft), acc)
+    assert by_line == Shape(0)
+    assert by_plane == truth and truth.depth >= 2
+
+
+def test_the_shaper_learns_the_prior_from_prefill_and_fits_verified_requests() -> None:
+    shaper = RoundShaper(4, "sequential")
+    shaper.prior_position(PER_POSITION)
+    for requests in (8, 6, 4):
+        shaper.observe(0.0, verify_s(requests, requests * 5), requests * 5, [], 0.0,
+                       [(4, 2)] * requests)
+    costs = shaper.costs()
+    assert costs.verify_per_position_s == pytest.approx(PER_POSITION, rel=0.01)
+    assert costs.verify_per_request_s == pytest.approx(PER_REQUEST, rel=0.05)
