@@ -7,12 +7,13 @@ Factors: context 1K / 3K / 6K tokens, 2 / 6 / 12 requests, a device KV budget of
 of the workload's KV bytes, an emulated link of 0.1 / 0.5 / 2 GB/s (the cpu backend's
 ``link_gbps``), prompts of real text (``examples/long_prompt.txt``) or of seeded random token
 ids. ``DESIGN`` is a reduced design of 12 cells: every level of the three-level factors four
-times, each kind of prompt six times and twice with each level of every other factor; eight of
-the nine context x requests pairs (not 1K x 2: its whole KV, 2K tokens, is under what one
-request and the staging ring need at the default 512-token tail). The 0.1 budget only where it
-holds one request's minimum (a 1K or two-request workload's tenth does not), the 0.1 GB/s link
-only where a q = 0 run streams its overflow in under ~15 s. In each cell, greedy decoding of
-``OUTPUT_LEN`` tokens a request:
+times, each kind of prompt six times and twice with each level of every other factor. Seven
+of the nine context x requests pairs: not 1K x 2 (its whole KV, 2K tokens, is under what one
+request and the staging ring need at the default 512-token tail) and not 6K x 12 (~90 s a run on
+two shared cores, ~16 min a cell: over this matrix's time budget alone). The 0.1 budget only
+where it holds one request's minimum (a 1K or two-request workload's tenth does not), the
+0.1 GB/s link only where a q = 0 run streams its overflow in under ~15 s. In each cell,
+greedy decoding of ``OUTPUT_LEN`` tokens a request:
 
 - ``resident`` once (the whole workload on the device): the outputs every run must equal, and
   the compute model of the floors (``specstream.bench.floors``);
@@ -71,9 +72,9 @@ DESIGN = (
     Cell("c04", 3072, 2, 0.3, 0.1, "random"),
     Cell("c05", 3072, 12, 0.1, 2.0, "text"),
     Cell("c06", 6144, 6, 0.1, 0.5, "random"),
-    Cell("c07", 6144, 12, 0.1, 2.0, "random"),
+    Cell("c07", 3072, 12, 0.1, 2.0, "random"),  # c05 with random prompts
     Cell("c08", 3072, 6, 0.1, 0.5, "text"),
-    Cell("c09", 3072, 2, 0.6, 2.0, "random"),
+    Cell("c09", 6144, 2, 0.6, 2.0, "random"),
     Cell("c10", 6144, 2, 0.3, 0.5, "text"),
     Cell("c11", 1024, 6, 0.3, 2.0, "text"),
     Cell("c12", 1024, 12, 0.6, 0.5, "random"),
@@ -123,12 +124,12 @@ def beside(name: str) -> Any:
 report = beside("matrix_report")
 
 
-def workload_of(cell: Cell, quick: bool) -> Any:
-    """--quick: QUICK_OUTPUT_LEN tokens a request (fewer requests or shorter prompts would
-    shrink the budgets below what one request needs)."""
+def workload_of(cell: Cell, output_len: int) -> Any:
+    """The cell's requests, ``output_len`` tokens each (--quick shortens only the outputs:
+    fewer requests or shorter prompts would shrink the budgets below what one request needs)."""
     from specstream.bench.workload import Workload
 
-    return Workload((cell.context,) * cell.requests, QUICK_OUTPUT_LEN if quick else OUTPUT_LEN)
+    return Workload((cell.context,) * cell.requests, output_len)
 
 
 def make_prompts(cell: Cell, workload: Any, tokenizer: Any, vocab: int,
@@ -173,14 +174,14 @@ def run_one(kwargs: dict[str, Any], workload: Any, prompts: list[list[int]],
         llm.close()
 
 
-def run_cell(cell: Cell, index: int, quick: bool, grid: tuple[str, ...],
+def run_cell(cell: Cell, index: int, output_len: int, grid: tuple[str, ...],
              log: Any) -> dict[str, Any]:
     """Every run of one cell; the record (JSON-ready but for ``_steps`` / ``_configs``)."""
     from specstream.bench.floors import ComputeModel, add_floors
     from specstream.bench.runner import BenchSettings, resident_fit_bytes, workload_kv_bytes
     from specstream.llm import LLM
 
-    work = workload_of(cell, quick)
+    work = workload_of(cell, output_len)
     kv = workload_kv_bytes(work, BenchSettings())
     budget = int(cell.budget * kv)
     probe = LLM(mode="resident", device="cpu")  # the tokenizer and vocabulary of the target
@@ -197,6 +198,8 @@ def run_cell(cell: Cell, index: int, quick: bool, grid: tuple[str, ...],
     steps = {"resident": ref}
     cfgs = {"resident": ref_cfg}
     times = {"resident": time.perf_counter() - t0}
+    log(f"  resident: {ref['output_tokens_per_s']:.2f} tok/s, accepted "
+        f"{ref['mean_accepted_len']:.2f} ({times['resident']:.0f} s)")
     todo = list(configs(budget, cell.link_gbps, grid).items())
     k = index % len(todo)
     for name, kw in todo[k:] + todo[:k]:  # the order rotates from cell to cell
@@ -229,8 +232,13 @@ def run_cell(cell: Cell, index: int, quick: bool, grid: tuple[str, ...],
 
 
 def _config_dict(cfg: Any) -> dict[str, Any] | None:
-    return None if cfg is None else {k: str(v) if hasattr(v, "value") else v
-                                     for k, v in asdict(cfg).items()}
+    """The resolved config, JSON-ready (option types as strings, paths in this checkout
+    relative to it)."""
+    if cfg is None:
+        return None
+    root = str(HERE.parent) + os.sep
+    return {k: v.removeprefix(root) if isinstance(v, str) else str(v) if hasattr(v, "value")
+            else v for k, v in asdict(cfg).items()}
 
 
 def link_rate(record: dict[str, Any]) -> float:
@@ -288,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help=f"smoke run: {QUICK_OUTPUT_LEN} output tokens a request")
+    ap.add_argument("--output-len", type=int, default=None,
+                    help=f"tokens a request ({OUTPUT_LEN}; {QUICK_OUTPUT_LEN} with --quick)")
     ap.add_argument("--cells", default=None, help="comma-separated cell names (default: all)")
     ap.add_argument("--grid", default=",".join(DEFAULT_GRID),
                     help=f"fixed points to run (of {','.join(GRID)})")
@@ -304,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     cells, grid = [by_name[n] for n in names], tuple(args.grid.split(","))
     stem = args.name or ("matrix-smoke" if args.quick else "matrix")
     args.results.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
+    t_start, load0 = time.perf_counter(), os.getloadavg()[0]
+    out_len = args.output_len or (QUICK_OUTPUT_LEN if args.quick else OUTPUT_LEN)
     records: list[dict[str, Any]] = []
 
     def log(msg: str) -> None:
@@ -313,9 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, cell in enumerate(cells):
         log(f"cell {i + 1}/{len(cells)} {cell.name}: {cell.context} tokens x {cell.requests}, "
             f"budget {cell.budget}, link {cell.link_gbps} GB/s, {cell.prompts} prompts")
-        records.append(run_cell(cell, DESIGN.index(cell), args.quick, grid, log))
-        left = report.estimate_seconds(records, cells[i + 1:], grid,
-                                       workload_of(cell, args.quick).output_len)
+        records.append(run_cell(cell, DESIGN.index(cell), out_len, grid, log))
+        left = report.estimate_seconds(records, cells[i + 1:], grid, out_len)
         log(f"cell {cell.name} done; about {left / 60:.0f} min left")
     for i, rec in enumerate(records):
         if len(records) > 1:
@@ -324,15 +334,18 @@ def main(argv: list[str] | None = None) -> int:
             except (ValueError, RuntimeError) as e:
                 rec["sim"] = {"error": f"{type(e).__name__}: {e}"}
         rec["analysis"] = report.analyse(rec)
-    full = report.estimate_seconds(records, list(DESIGN), DEFAULT_GRID, OUTPUT_LEN)
+    full = {n: report.estimate_seconds(records, list(DESIGN), DEFAULT_GRID, n)
+            for n in (OUTPUT_LEN, 24)}
     out = {
-        "bench": "bench/matrix.py", "quick": args.quick, "grid": list(grid),
+        "bench": "bench/matrix.py", "quick": args.quick, "output_len": out_len,
+        "grid": list(grid),
         "fixed_base": FIXED, "grid_points": {g: GRID[g] for g in grid},
         "factors": FACTORS, "design": [asdict(c) for c in DESIGN],
         "wall_s": round(time.perf_counter() - t_start, 1),
-        "estimated_full_run_s": round(full),
+        # the full design and grid, by output tokens a request (matrix_report.estimate_seconds)
+        "estimated_full_run_s": {str(n): round(t) for n, t in full.items()},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "load_average_1min": os.getloadavg()[0]},
+                    "load_average_1min": [load0, os.getloadavg()[0]]},
         "cells": [{k: v for k, v in r.items() if not k.startswith("_")} for r in records],
     }
     out["summary"] = report.summary(out["cells"])
@@ -341,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.results / f"{stem}.md").write_text(md)
     print(md)
     log(f"wrote {args.results / stem}.json and .md; a full matrix (12 cells, the default grid) "
-        f"would take about {full / 60:.0f} min on this machine")
+        f"would take about {full[OUTPUT_LEN] / 60:.0f} min on this machine as loaded now "
+        f"({full[24] / 60:.0f} min with --output-len 24)")
     return 0
 
 

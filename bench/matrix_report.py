@@ -169,8 +169,11 @@ def markdown(out: dict[str, Any]) -> str:
             row.append("-" if r is None else "refused" if "error" in r else
                        f"{r['output_tokens_per_s']:.1f} ({r['mean_accepted_len']:.2f})")
         lines.append(f"| {c['cell']['name']} | " + " | ".join(row) + " |")
-    lines += ["", f"Wall time {out['wall_s'] / 60:.1f} min; estimated full matrix (12 cells, the "
-              f"default grid) on this machine: {out['estimated_full_run_s'] / 60:.0f} min.", ""]
+    est = ", ".join(f"{int(t) / 60:.0f} min at {n} tokens a request"
+                    for n, t in out["estimated_full_run_s"].items())
+    lines += ["", f"Wall time {out['wall_s'] / 60:.1f} min (load average "
+              f"{out.get('machine', {}).get('load_average_1min', '?')} at start, end); estimated "
+              f"full matrix (12 cells, the default grid) on this machine as loaded: {est}.", ""]
     return "\n".join(lines)
 
 
@@ -179,18 +182,16 @@ def _names(out: dict[str, Any]) -> list[str]:
 
 
 # --- how long a matrix takes ---------------------------------------------------------------
-PREFILL_TOKENS_PER_S = 7000.0  # the embedded target on one thread (a prior, scaled by the fit)
-DECODE_TOKENS_PER_S = 20.0
-
-
 def work_seconds(context: int, requests: int, budget: float, link_gbps: float, out_len: int,
                  kv_per_token: float) -> float:
-    """A rough cost of one run of a cell: prefill (attention growing with the context), decode,
-    and the overflow streamed each round of a q = 4 chain (~2.5 tokens a round)."""
-    prefill = requests * context * (1 + context / 8192) / PREFILL_TOKENS_PER_S
-    decode = requests * out_len / DECODE_TOKENS_PER_S
+    """A rough cost of one run of a cell on the embedded pair, set by hand on this project's
+    2-core machine (1K x 6 runs of 16 tokens: ~3.4 s at 2 GB/s, ~5 s at 0.1 GB/s; a 6K x 12
+    run of 32 tokens at a 0.1 budget: ~90 s): per request a cost growing a little faster than
+    its context (prefill attention, longer rounds, fewer requests at once on a budget), part of
+    it per output token, plus the overflow streamed in each round of ~2.5 tokens."""
+    compute = requests * (context / 1024) ** 1.3 * (0.25 + 0.55 * out_len / 32)
     link = (1 - budget) * requests * context * kv_per_token * out_len / 2.5 / (link_gbps * 1e9)
-    return prefill + decode + link
+    return compute + link
 
 
 def estimate_seconds(records: list[dict[str, Any]], cells: list[Any], grid: tuple[str, ...],

@@ -110,7 +110,7 @@ def test_report_on_a_zero_floor_and_without_a_replay() -> None:
     assert s["default_vs_best_fixed"] == {"met": 1, "of": 1}  # 19 over q2's 18
     assert s["failed_runs"] == {"cx": ["q4-tail"]}
     out = {"quick": True, "grid": ["q2", "q4", "tree", "q4-tail"], "cells": [rec],
-           "summary": s, "wall_s": 60.0, "estimated_full_run_s": 600.0}
+           "summary": s, "wall_s": 60.0, "estimated_full_run_s": {"32": 600.0}}
     md = report.markdown(out)
     assert "| cx |" in md and "refused" in md and "NO: tree" in md
 
