@@ -126,8 +126,9 @@ def _pct(x: float | None) -> str:
 
 def markdown(out: dict[str, Any]) -> str:
     lines = [f"# Workload matrix ({'quick smoke run' if out['quick'] else 'full'})", "",
-             "`bench/matrix.py`: per cell one run of each configuration, in one process (order "
-             "rotating by cell). tok/s = output tokens over wall time; `default` = `specstream` "
+             f"`bench/matrix.py`: per cell {out.get('repeats', 1)} run(s) of each "
+             "configuration, interleaved in one process (order rotating by cell; the median run "
+             "kept). tok/s = output tokens over wall time; `default` = `specstream` "
              "as the code's defaults build it; best fixed of: " + ", ".join(out["grid"]) +
              f"; targets: default/best >= {DEFAULT_OVER_BEST}, fill bytes/floor <= "
              f"{FILL_OVER_FLOOR}, replay error (default, costs fitted on another cell) "
@@ -195,7 +196,7 @@ def work_seconds(context: int, requests: int, budget: float, link_gbps: float, o
 
 
 def estimate_seconds(records: list[dict[str, Any]], cells: list[Any], grid: tuple[str, ...],
-                     out_len: int) -> float:
+                     out_len: int, repeats: int = 1) -> float:
     """Seconds the ``cells`` (Cell objects) would take: ``work_seconds`` per run, scaled by
     what the measured ``records`` took over their own ``work_seconds``."""
     if not records:
@@ -208,9 +209,9 @@ def estimate_seconds(records: list[dict[str, Any]], cells: list[Any], grid: tupl
         w = work_seconds(cell["context"], len(r["context_lengths"]), cell["budget"],
                          cell["link_gbps"], r["output_len"], kvpt)
         measured += sum(r["run_seconds"].values())
-        predicted += w * len(r["run_seconds"])
+        predicted += w * (1 + r.get("repeats", 1) * (len(r["run_seconds"]) - 1))
     scale = measured / predicted if predicted else 1.0
-    runs = len(grid) + 3  # resident, default, the grid, offload-spec
+    runs = 1 + repeats * (len(grid) + 2)  # resident once; default, the grid, offload-spec
     total = 0.0
     for c in cells:
         total += runs * work_seconds(c.context, c.requests, c.budget, c.link_gbps, out_len, kvpt)
