@@ -166,11 +166,24 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams
     return outs, time.perf_counter() - t0, base, llm.get_metrics()
 
 
+def measure(
+    llm: LLM, mode: str, workload: Workload, s: BenchSettings,
+    prompts: list[list[int]] | None = None,
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """One measured run on an engine the caller built (its own configuration, not the
+    settings': ``s`` gives the seed and the link rate reported); ``prompts`` (one per request,
+    of ``workload``'s lengths) replace the held-out text's. Returns (metrics, greedy token ids)."""
+    res, tokens, _ = _measure(llm, mode, workload, s, None, prompts)
+    return res, tokens
+
+
 def _measure(
-    llm: LLM, mode: str, workload: Workload, s: BenchSettings, trace: str | None
+    llm: LLM, mode: str, workload: Workload, s: BenchSettings, trace: str | None,
+    prompts: list[list[int]] | None = None,
 ) -> tuple[dict[str, Any], list[list[int]], LLM]:
-    vocab = llm.engine.model_config.vocab_size
-    prompts = build_prompts(workload, llm.tokenizer, vocab, seed=s.seed)
+    if prompts is None:
+        prompts = build_prompts(workload, llm.tokenizer, llm.engine.model_config.vocab_size,
+                                seed=s.seed)
     params = SamplingParams(temperature=0, max_tokens=workload.output_len, ignore_eos=True)
     outs, wall, base, m = timed_generate(llm, prompts, params)
     tokens = [o.outputs[0].token_ids for o in outs]

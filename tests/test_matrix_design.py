@@ -1,0 +1,124 @@
+"""bench/matrix.py: its reduced design covers every level of every factor, roughly balanced,
+and its fixed grid spells out every policy knob; bench/matrix_report.py computes the cell
+figures (ratios, floors, targets) from a hand-built record (no timing is asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+
+
+def _load(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while defined
+    spec.loader.exec_module(module)
+    return module
+
+
+matrix = _load("matrix")
+report = matrix.report
+
+
+def test_design_covers_every_level_of_every_factor() -> None:
+    assert len(matrix.DESIGN) == 12
+    assert len({c.name for c in matrix.DESIGN}) == 12
+    for factor, levels in matrix.FACTORS.items():
+        seen = Counter(getattr(c, factor) for c in matrix.DESIGN)
+        assert set(seen) == set(levels), factor
+        # balanced: every level equally often (12 cells over 3 or 2 levels)
+        assert set(seen.values()) == {12 // len(levels)}, (factor, seen)
+    # each kind of prompt meets every level of the other factors
+    for factor in ("context", "requests", "budget", "link_gbps"):
+        pairs = Counter((getattr(c, factor), c.prompts) for c in matrix.DESIGN)
+        assert len(pairs) == 3 * 2, factor
+
+
+def test_fixed_points_do_not_follow_the_defaults() -> None:
+    """Every fixed point names the policy, the host attention, the residency and the groups
+    (the defaults may change under it); the default run names only the workload's facts."""
+    runs = matrix.configs(10 << 20, 0.5, tuple(matrix.GRID))
+    facts = {"mode", "device", "device_kv_bytes", "link_gbps"}
+    assert set(runs["default"]) == facts
+    for name in (*matrix.GRID, matrix.BASELINE):
+        kw = runs[name]
+        assert {"host_attention", "residency", "merge_groups", "speculative_policy"} <= set(kw)
+        assert kw["speculative_policy"] == "fixed"
+    assert runs["q0"]["mode"] == "stream" and runs["q0"]["proposer"] is None
+    assert runs["q8"]["num_speculative_tokens"] == 8
+    assert runs[matrix.BASELINE]["mode"] == "offload-spec"
+    assert runs[matrix.BASELINE]["num_speculative_tokens"] == 4
+
+
+def _run(tok_s: float, match: bool = True, per_round: float = 0.0,
+         floor: float = 0.0) -> dict[str, Any]:
+    return {"output_tokens_per_s": tok_s, "mean_accepted_len": 2.0, "tpot_s": 0.1,
+            "outputs_match_reference": match, "link_bytes_per_round": per_round,
+            "link_bytes_floor_per_round": floor}
+
+
+def _record(**sim: Any) -> dict[str, Any]:
+    return {
+        "cell": {"name": "cx", "context": 1024, "budget": 0.3, "link_gbps": 0.5,
+                 "prompts": "text"},
+        "context_lengths": [1024] * 4, "output_len": 32,
+        "workload_kv_bytes": 4 * (1024 + 32) * 6144,
+        "runs": {"resident": _run(30.0), "default": _run(19.0, per_round=9e6, floor=6e6),
+                 "q2": _run(18.0), "q4": _run(20.0, per_round=6.3e6, floor=6e6),
+                 "tree": _run(17.0, match=False), "q4-tail": {"error": "ValueError: refused"},
+                 "offload-spec-q4": _run(10.0)},
+        "run_seconds": {"resident": 10.0, "default": 10.0, "q4": 10.0},
+        "sim": sim,
+    }
+
+
+def test_report_ratios_from_a_hand_built_record() -> None:
+    a = report.analyse(_record(default={"throughput_error": -0.20, "tpot_error": 0.10}))
+    assert a["best_fixed"] == "q4" and a["best_fixed_tok_s"] == 20.0  # resident is no fixed point
+    assert a["default_over_best_fixed"] == pytest.approx(0.95)
+    assert a["default_over_offload_spec"] == pytest.approx(1.9)
+    assert a["fill_bytes_over_floor"] == pytest.approx(1.05)  # the q = 4 fill run's
+    assert a["default_bytes_over_floor"] == pytest.approx(1.5)
+    assert a["failed"] == ["q4-tail"] and a["outputs_differ"] == ["tree"]
+    assert a["meets"] == {"default_vs_best_fixed": False, "fill_vs_floor": True,
+                          "sim_throughput": False, "sim_tpot": True, "outputs_match": False}
+
+
+def test_report_on_a_zero_floor_and_without_a_replay() -> None:
+    """A floor of 0 is met only by moving nothing; no replay leaves its targets undefined."""
+    rec = _record()
+    rec["runs"]["q4"]["link_bytes_floor_per_round"] = 0.0  # nothing had to stream
+    a = report.analyse(rec)
+    assert a["fill_bytes_over_floor"] is None and a["meets"]["fill_vs_floor"] is False
+    assert a["meets"]["sim_throughput"] is None
+    rec["runs"]["q4"]["link_bytes_per_round"] = 0.0
+    assert report.analyse(rec)["meets"]["fill_vs_floor"] is True
+    del rec["runs"]["q4"]
+    a = report.analyse(rec)
+    assert a["meets"]["fill_vs_floor"] is None and a["best_fixed"] == "q2"
+    rec["analysis"] = a
+    s = report.summary([rec])
+    assert s["fill_vs_floor"] == {"met": 0, "of": 0}
+    assert s["default_vs_best_fixed"] == {"met": 1, "of": 1}  # 19 over q2's 18
+    assert s["failed_runs"] == {"cx": ["q4-tail"]}
+    out = {"quick": True, "grid": ["q2", "q4", "tree", "q4-tail"], "cells": [rec],
+           "summary": s, "wall_s": 60.0, "estimated_full_run_s": {"32": 600.0}}
+    md = report.markdown(out)
+    assert "| cx |" in md and "refused" in md and "NO: tree" in md
+
+
+def test_estimate_scales_with_the_measured_time() -> None:
+    rec = _record()
+    cell = matrix.DESIGN[0]
+    one = report.estimate_seconds([rec], [cell], ("q4",), 32)
+    rec["run_seconds"] = {k: 2 * v for k, v in rec["run_seconds"].items()}
+    assert report.estimate_seconds([rec], [cell], ("q4",), 32) == pytest.approx(2 * one)
+    assert report.rel_error(11.0, 10.0) == pytest.approx(0.1)
