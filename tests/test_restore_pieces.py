@@ -208,3 +208,49 @@ def test_the_room_lends_whole_layers_where_spare_and_reserves_no_host_share() ->
         req = Request("r", list(range(1600)), SamplingParams(max_tokens=32))
         held.append(sched.admission.reservation(req).restore_blocks)
     assert held[1] < held[0] and held[1] == -(-2 * (100 - 50) // 4)
+
+
+@pytest.mark.parametrize("lent", [(3, 4), (6,), (2, 7, 9)])
+def test_pieces_return_every_layer_bit_for_bit(lent):
+    """Lent fewer blocks than two layers need, the source restores each request's layer
+    history in pieces of at most half the room, two in flight where two fit (the next one
+    issued while one is attended), which together are its host history, bit for bit."""
+    from specstream.backends import make_backend
+    from specstream.engine.contract import SeqWork, StepPlan
+    from specstream.engine.exec.history import make_source
+    from specstream.kvcache.storage import KVStore
+
+    cfg = ModelConfig(family="qwen3", vocab_size=8, hidden_size=32, num_layers=3, num_heads=4,
+                      num_kv_heads=2, head_dim=8, intermediate_size=8,
+                      max_position_embeddings=64)
+    backend = make_backend("cpu")
+    try:
+        store = KVStore(cfg, torch.float32, 4, num_device_blocks=12, num_host_blocks=10,
+                        backend=backend)
+        store.host.copy_(torch.randn(store.host.shape))
+        histories = [(7, 2, 9), (0, 5, 1, 4)]  # host blocks of two requests: 14 slots wanted
+        seqs = tuple(SeqWork(f"r{i}", (1,), 4 * len(h), 0, False, True, 4 * len(h), (i,),
+                             (h,)) for i, h in enumerate(histories))
+        source = make_source("restore", store, 4, 2)
+        room = 3 * len(lent)
+        for _ in range(2):  # a second step through the same source
+            source.begin(StepPlan(seqs, restore_blocks=lent), [[0, 1]])
+            for layer in range(3):
+                got: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+                for wave in source.waves(layer):
+                    ring = source.ring
+                    assert ring is not None
+                    if room >= 2 and ring.jobs:  # double-buffered: the next one in flight
+                        assert len(ring.pending) >= 2
+                    _, k, v, shape = source.landed(wave)
+                    assert k.shape[1] <= 4 * max(1, room // 2)
+                    got[int(shape.index[0])].append(torch.stack([k[0], v[0]]))
+                    source.release(wave)
+                for i, h in enumerate(histories):
+                    want = store.host_rows(layer)[list(h)]  # [blocks, 2, bs, kv, D]
+                    want = want.transpose(0, 1).reshape(2, -1, 2, 8)
+                    assert torch.equal(torch.cat(got[i], dim=1), want)
+            source.end()
+        assert source.piece_steps == 2 and source.most_copies > 3
+    finally:
+        backend.close()

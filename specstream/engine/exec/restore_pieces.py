@@ -74,20 +74,29 @@ class PieceRing:
             length += 1
         return length
 
-    def _free(self, start: int, count: int) -> bool:
-        return not any(p.slot < start + count and start < p.slot + p.length
-                       for p in self.pending)
+    def _room(self) -> int:
+        """Free consecutive slots from the head (pieces leave the ring in the order they
+        entered, so the free slots run from the head to the oldest piece, round the end)."""
+        if not self.pending:
+            self.head = 0
+            return self.capacity
+        oldest = self.pending[0].slot
+        if self.head > oldest and self.head == self.capacity:
+            self.head = 0  # round the end
+        if self.head > oldest:
+            return self.capacity - self.head
+        return oldest - self.head
 
     def _fill(self) -> None:
         store, seqs = self.source.store, self.source.plan.seqs
         while self.jobs:
             layer, i = self.jobs[0]
             blocks = seqs[i].layer_link_blocks(layer)
-            want = min(len(blocks) - self.next_block, self.most)
-            start = self.head if self.head + want <= self.capacity else 0
-            if not self._free(start, want):
+            room = self._room()
+            if not room:
                 return
-            length = self._run(start, want)
+            start = self.head
+            length = self._run(start, min(len(blocks) - self.next_block, self.most, room))
             plane, first = self._where(start)
             t = self.next_block
             dst = store.device[plane, :, first : first + length]
