@@ -41,8 +41,8 @@ class _Piece(InFlight):
 
 
 class PieceRing:
-    """The step's pieces through the lent slots (``source.slots``: pool blocks, each of its
-    layer planes one slot)."""
+    """The step's pieces (``source.plan``) through the lent ``slots``: pool blocks, each of
+    their layer planes one slot, slot s in plane s // len(slots)."""
 
     def __init__(self, source: HistorySource, slots: tuple[int, ...]) -> None:
         self.source, self.slots = source, slots
