@@ -254,3 +254,29 @@ def test_pieces_return_every_layer_bit_for_bit(lent):
         assert source.piece_steps == 2 and source.most_copies > 3
     finally:
         backend.close()
+
+
+def test_every_piece_is_copied_after_the_compute_queued_before_it() -> None:
+    """Slots are reused within a step: every copy into them is ordered after the compute
+    queued before it (``after_compute``; on CUDA the copy stream waits for the attention that
+    read the slot), as the whole-layer path's copies are."""
+    from test_cuda_backend import RecordingBackend, plan, tiny_store
+
+    from specstream.engine.exec.restore import LayerRestore
+
+    backend = RecordingBackend()
+    try:
+        store = tiny_store(backend)
+        source = LayerRestore(store, chunk_tokens=8, staging_buffers=2)
+        work = plan(((0, 1), (2, 3), (4,)), ((5, 6),))  # 7 blocks a layer, 6 slots lent
+        source.begin(work, [[0, 1]])  # type: ignore[arg-type]
+        for layer in range(store.cfg.num_layers):
+            keys = [0, 0]
+            for _, k, _, shape in source.drain(layer):
+                keys[int(shape.index[0])] += k.shape[1]
+            assert keys == [20, 8]
+        source.end()
+        assert source.piece_steps == 1
+        assert backend.log and all(after for _, _, after in backend.log)
+    finally:
+        backend.close()
