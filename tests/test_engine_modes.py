@@ -113,9 +113,9 @@ def test_restore_room_is_reserved_up_to_the_guaranteed_room(tiny_target, tiny_dr
     with the reason."""
     prompts = _prompts((600, 580), seed=5)
     ref, _ = _run(tiny_target, prompts, mode="resident", device_kv_bytes=16 << 20)
-    kw = dict(mode="offload-spec", draft_model=tiny_draft, num_speculative_tokens=3, speculative_topk=1,
-              block_size=16, chunk_tokens=64, resident_tail_tokens=32, offload_after_tokens=64,
-              max_prefill_tokens=32, residency="tail")
+    kw = dict(mode="offload-spec", draft_model=tiny_draft, num_speculative_tokens=3,
+              speculative_topk=1, block_size=16, chunk_tokens=64, resident_tail_tokens=32,
+              offload_after_tokens=64, max_prefill_tokens=32, residency="tail")
     tokens, m = _run(tiny_target, prompts, device_kv_bytes=1_000_000, **kw)
     assert tokens == ref
     assert m["max_concurrency"] == 2 and m["device_kv_peak_bytes"] <= 1_000_000

@@ -24,7 +24,8 @@ MiB = 1 << 20
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 # as tests/test_engine_modes.py: the tiny 8-layer target's history offloads past 64 tokens
 OFFLOAD = dict(block_size=16, chunk_tokens=64, resident_tail_tokens=32, offload_after_tokens=64,
-               max_prefill_tokens=64)
+               max_prefill_tokens=64, host_attention="off")
+CHAIN = dict(num_speculative_tokens=3, speculative_topk=1, speculative_policy="fixed")
 # 18 blocks of 16 tokens (`fill`; `tail`: 15): two layers of the step's history do not fit
 SMALL = {"fill": 600_000, "tail": 500_000}
 
@@ -61,10 +62,10 @@ TREE = dict(num_speculative_tokens=2, speculative_topk=2, speculative_num_draft_
 
 @pytest.mark.parametrize("mode, spec, residency", [
     ("offload", {}, "fill"),
-    ("offload-spec", dict(num_speculative_tokens=3), "fill"),
-    ("offload-spec", dict(num_speculative_tokens=3), "tail"),
+    ("offload-spec", CHAIN, "fill"),
+    ("offload-spec", CHAIN, "tail"),
     ("offload-spec", TREE, "fill"),
-    ("parallel-spec", dict(num_speculative_tokens=3), "fill"),
+    ("parallel-spec", CHAIN, "fill"),
 ])
 def test_pieces_decode_exactly(tiny_target, tiny_draft, prompts, reference, mode, spec,
                                residency):
@@ -89,8 +90,7 @@ def test_a_room_that_holds_two_layers_restores_whole_layers(tiny_target, tiny_dr
     """Where the budget can spare two whole layers, no step restores in pieces (as before:
     whole layers, the next one prefetched)."""
     tokens, m, source = _run(tiny_target, prompts, mode="offload-spec", device_kv_bytes=4 * MiB,
-                             draft_model=tiny_draft, num_speculative_tokens=3, residency="tail",
-                             **OFFLOAD)
+                             draft_model=tiny_draft, residency="tail", **CHAIN, **OFFLOAD)
     assert tokens == reference
     assert source.piece_steps == 0 and source.most_copies > 0
     assert m["max_concurrency"] == 3
