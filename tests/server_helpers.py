@@ -34,7 +34,9 @@ GREETING_TEMPLATE = CHAT_TEMPLATE + "{% if greeting %}{{ greeting }}{% endif %}"
 
 
 def build_chat_model(folder: Path) -> Path:
-    """A random 2-layer Qwen3 with a 512-token BPE trained on this repo's own sources."""
+    """A random 2-layer Qwen3 with a 512-token BPE trained on a fixed snapshot of this repo's
+    scheduler source (examples/long_prompt.txt: the live sources change with every edit, and
+    with them the tokenizer and what the random model says)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -42,8 +44,8 @@ def build_chat_model(folder: Path) -> Path:
     if (folder / "config.json").is_file():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    src = Path(__file__).resolve().parents[1] / "specstream"
-    lines = [ln for f in sorted(src.rglob("*.py"))[:40] for ln in f.read_text().splitlines()]
+    snapshot = Path(__file__).resolve().parents[1] / "examples" / "long_prompt.txt"
+    lines = snapshot.read_text().splitlines()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -23,8 +23,8 @@ class RuntimeLayout:
     num_device_blocks: int
     num_host_blocks: int
     # Device bytes kept out of the pool for history in flight: the staging ring of chunk waves
-    # (`stream`); 0 otherwise (`restore` modes hold their two restored layers in pool blocks
-    # that each admitted request reserves its share of).
+    # (`stream`); 0 otherwise (`restore` modes hold their restored layers in pool blocks lent
+    # to each step; see restore_room_blocks).
     history_reserve_bytes: int
     # History past this many tokens moves to the host (resolved against the model's context).
     offload_after_tokens: int
@@ -37,6 +37,10 @@ class RuntimeLayout:
     wave_requests: int = 8
     # The device KV budget this run (``EngineConfig.device_budget``).
     device_budget_bytes: int = 0
+    # `restore` modes: pool blocks the budget guarantees a step's restores (``restore_room``):
+    # two whole layers of history where they fit in it or in what else is free, a layer in
+    # pieces otherwise; 0 in other modes.
+    restore_room_blocks: int = 0
 
     @classmethod
     def build(cls, config: EngineConfig, model: ModelConfig, dtype_bytes: int,
@@ -50,17 +54,22 @@ class RuntimeLayout:
         budget = config.device_budget(free_device_bytes)
         region_bytes = config.chunk_tokens * layer_token_bytes  # one chunk of one request
         buffers, wave = config.staging_buffers, config.wave_requests
-        history_reserve = 0
+        history_reserve, room = 0, 0
         if mode.history is History.STREAM:
             buffers, wave = staging_ring(budget, region_bytes, buffers, wave)
             history_reserve = buffers * wave * region_bytes
         num_device_blocks = (budget - history_reserve) // block_bytes
-        if num_device_blocks < MIN_DEVICE_BLOCKS:
+        if mode.history is History.RESTORE:
+            room = restore_room(budget, block_bytes, region_bytes, buffers, wave)
+        if num_device_blocks < MIN_DEVICE_BLOCKS + room:
             least = MIN_DEVICE_BLOCKS * block_bytes + (
                 region_bytes if mode.history is History.STREAM else 0)
             staging = (f" and one {config.chunk_tokens}-token chunk of staging ({region_bytes} "
                        "bytes; a smaller chunk_tokens needs less)"
                        if mode.history is History.STREAM else "")
+            if mode.history is History.RESTORE:
+                least += block_bytes
+                staging = " and one more of room to restore history in"
             raise ValueError(
                 f"device_kv_bytes={budget} is below the least this model runs with in mode "
                 f"{config.mode}: {least} bytes ({MIN_DEVICE_BLOCKS} KV blocks of {block_bytes} "
@@ -88,12 +97,25 @@ class RuntimeLayout:
             staging_buffers=buffers,
             wave_requests=wave,
             device_budget_bytes=budget,
+            restore_room_blocks=room,
         )
 
 
 MIN_DEVICE_BLOCKS = 2  # KV blocks the pool needs at least (a request's tail and its next)
 # The staging ring takes at most this share of the device budget (the rest holds KV blocks).
 STAGING_SHARE = 0.5
+
+
+def restore_room(budget: int, block_bytes: int, region_bytes: int, buffers: int, wave: int
+                 ) -> int:
+    """Pool blocks of a `restore` mode's guaranteed room on a device budget: those the staging
+    ring would take from a streaming mode's pool on the same budget (so the tails it admits
+    fit here too), at least one (a layer restored one block at a time, in its planes), and
+    never so many that the pool keeps fewer than ``MIN_DEVICE_BLOCKS`` besides."""
+    ring = staging_ring(budget, region_bytes, buffers, wave)
+    ring_bytes = ring[0] * ring[1] * region_bytes
+    taken = budget // block_bytes - max(0, budget - ring_bytes) // block_bytes
+    return max(1, min(taken, budget // block_bytes - MIN_DEVICE_BLOCKS))
 
 
 def staging_ring(budget: int, region_bytes: int, buffers: int, wave: int) -> tuple[int, int]:

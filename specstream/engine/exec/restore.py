@@ -1,6 +1,8 @@
 """``restore``, the offloading baseline: before a layer attends, that layer's whole history of
 the batch is on the device; the next layer's restore is issued while this one computes, so the
-link never waits on a competent schedule, but attention waits for the whole layer."""
+link never waits on a competent schedule, but attention waits for the whole layer. A step lent
+too little room for two whole layers (a small budget) restores each layer in pieces instead
+(restore_pieces.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from specstream.attention.waves import WaveShape
 from specstream.backends.base import TransferError, TransferHandle, to_device
 from specstream.engine.contract import StepPlan
 from specstream.engine.exec.history import SOURCES, HistorySource, InFlight, Wave
+from specstream.engine.exec.restore_pieces import PieceRing
+from specstream.kvcache.storage import KVStore
 
 
 @dataclass
@@ -31,7 +35,15 @@ class LayerRestore(HistorySource):
     """Whole-layer restore with one layer of prefetch: two layers of the step's history on the
     device at a time, in the pool blocks the scheduler lent the step (``plan.restore_blocks``;
     every layer plane of a lent block is a slot for one block of history, so a request's layer
-    history may come as a few pieces, each a one-request wave, merged exactly)."""
+    history may come as a few pieces, each a one-request wave, merged exactly). Where the lent
+    blocks hold less than two layers, a ``PieceRing`` restores the step in pieces."""
+
+    def __init__(self, store: KVStore, chunk_tokens: int, staging_buffers: int,
+                 wave_requests: int = 8) -> None:
+        super().__init__(store, chunk_tokens, staging_buffers, wave_requests)
+        self.piece_steps = 0  # steps restored in pieces (the lent room held < two layers)
+        self.most_copies = 0  # the most restore copies one step issued
+        self.ring: PieceRing | None = None
 
     def begin(self, plan: StepPlan, buckets: list[list[int]], link_bps: float = 0.0) -> None:
         super().begin(plan, buckets, link_bps)
@@ -44,9 +56,13 @@ class LayerRestore(HistorySource):
         self.slots = plan.restore_blocks
         self.handles: dict[int, list[list[TransferHandle]]] = {}
         self.shapes: dict[tuple[int, int, int], WaveShape] = {}
-        self.restored_layer = -1
-        if total:
-            assert 2 * total <= len(self.slots) * self.store.cfg.num_layers, "too few lent blocks"
+        self.copies = 0
+        self.ring = None
+        if 2 * total > len(self.slots) * self.store.cfg.num_layers:
+            assert self.slots, "a step with history to restore was lent no room"
+            self.ring = PieceRing(self, self.slots)
+            self.piece_steps += 1
+        elif total:
             self._issue(0)
 
     def _runs(self, layer: int, index: int) -> list[tuple[int, int, int, int]]:
@@ -79,6 +95,7 @@ class LayerRestore(HistorySource):
             for t, length, plane, first in self._runs(layer, i):
                 dst = self.store.device[plane, :, first : first + length]
                 handles += self.store.restore(layer, blocks[t : t + length], dst, s.request_id)
+                self.copies += 1
             per_seq.append(handles)
         self.handles[layer] = per_seq
 
@@ -90,10 +107,19 @@ class LayerRestore(HistorySource):
         return self.shapes[key]
 
     def landed(self, wave: InFlight) -> Wave:
+        if self.ring is not None:
+            return self.ring.landed(wave)
         assert isinstance(wave, _Landed)
         return wave.wave
 
+    def release(self, wave: InFlight) -> None:
+        if self.ring is not None:
+            self.ring.release(wave)
+
     def waves(self, layer: int) -> Iterator[InFlight]:
+        if self.ring is not None:
+            yield from self.ring.waves(layer)
+            return
         if not self.total_blocks:
             return
         # full restore of the layer before any attention on it; then prefetch the next one
@@ -133,4 +159,9 @@ class LayerRestore(HistorySource):
                 device[layer].index_copy_(1, dst, device[plane, :, first + a - t : first + b - t])
 
     def end(self) -> None:
+        if self.ring is not None:
+            self.copies = self.ring.issued
+            self.ring.end()
+            self.ring = None
+        self.most_copies = max(self.most_copies, self.copies)
         self.handles = {}

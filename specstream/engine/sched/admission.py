@@ -3,8 +3,9 @@
 A request reserves, at admission, the device blocks its resident tail can ever need and the
 host blocks its history can ever need (prompt + max_tokens), so an admitted request never runs
 out of memory mid-way: when memory runs short new requests wait; nothing admitted is dropped.
-The `restore` modes also reserve each request's share of the pool blocks a step lends to hold
-two layers of its history (the one attended, the next one prefetched).
+The `restore` modes also reserve the pool blocks a step lends to hold two layers of the
+admitted requests' history (the one attended, the next one prefetched), up to the room the
+budget guarantees (``restore_room.py``: beyond it, layers come in pieces).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 from specstream.config import EngineConfig
 from specstream.engine.request import Request, Status
+from specstream.engine.sched.restore_room import RestoreRoom
 from specstream.kvcache.manager import BlockCopy, KVManager
 
 
@@ -22,22 +24,22 @@ from specstream.kvcache.manager import BlockCopy, KVManager
 class Reservation:
     device_blocks: int  # the steady tail
     host_blocks: int  # the whole history
-    restore_blocks: int = 0  # `restore` modes: its share of the two layers a step restores
-
-    @property
-    def device_total(self) -> int:
-        return self.device_blocks + self.restore_blocks
+    # `restore` modes: pool blocks that hold two layers of its link-carried history (shared:
+    # admission holds at most the guaranteed room for all of them together)
+    restore_blocks: int = 0
 
 
 class Admission:
-    def __init__(self, config: EngineConfig, kv: KVManager, restore_layers: int | None) -> None:
+    def __init__(self, config: EngineConfig, kv: KVManager, room: RestoreRoom | None) -> None:
         self.config, self.kv = config, kv
-        # `restore` modes: the model's layer count (a request's share of the lent room is
-        # 2 / layers of its host blocks); None otherwise
-        self.restore_layers = restore_layers
+        self.room = room  # `restore` modes: the room steps borrow; None otherwise
         self.reserved: dict[str, Reservation] = {}
-        self.reserved_device = 0
+        self.reserved_device = 0  # tails
+        self.reserved_restore = 0  # restore room wanted, before the guaranteed room caps it
         self.reserved_host = 0
+
+    def _restore_held(self, wanted: int) -> int:
+        return self.room.reserved(wanted) if self.room is not None else 0
 
     @property
     def scratch_blocks(self) -> int:
@@ -45,8 +47,10 @@ class Admission:
         if not self.kv.policy.offload:
             return 0
         want = -(-self.config.max_prefill_tokens // self.config.block_size) + 1
-        # two blocks guarantee progress; chunks grow into whatever else is free
-        return min(want, max(2, self.kv.device.num_blocks // 4))
+        # two blocks guarantee progress; chunks grow into whatever else is free (of the pool
+        # less the restore room, as a streaming mode's pool is less its staging ring)
+        pool = self.kv.device.num_blocks - (self.room.guaranteed if self.room else 0)
+        return min(want, max(2, pool // 4))
 
     def reservation(self, req: Request) -> Reservation:
         """Device blocks of the request's steady tail; host blocks of its whole history."""
@@ -61,19 +65,29 @@ class Admission:
         else:
             tail = total + step
         streamed = max(0, (total - p.resident_tail_tokens) // bs) if p.offload else 0
+        room = self.room
         return Reservation(-(-tail // bs) + 1, self.kv.host_blocks_needed(total),
-                           self.restore_blocks(streamed))
+                           room.whole(room.link_blocks(streamed)) if room else 0)
 
-    def restore_blocks(self, host_blocks: int) -> int:
-        """Pool blocks that hold two layers of ``host_blocks`` blocks of history."""
-        layers = self.restore_layers
-        return -(-2 * host_blocks // layers) if layers else 0
+    def tails_outstanding(self) -> int:
+        """Blocks that admitted requests' tails may still claim from the free pool."""
+        held = {rid: len(s.device_blocks) for rid, s in self.kv.seqs.items()}
+        return sum(max(0, r.device_blocks - held.get(rid, 0)) for rid, r in self.reserved.items())
 
     def outstanding(self) -> int:
-        """Blocks that admitted requests may still claim from the free pool (`tail`)."""
-        held = {rid: len(s.device_blocks) for rid, s in self.kv.seqs.items()}
-        return sum(max(0, r.device_blocks - held.get(rid, 0)) + r.restore_blocks
-                   for rid, r in self.reserved.items())
+        """Blocks that admitted requests may still claim from the free pool (`tail`): their
+        tails' and the restore room held for them."""
+        return self.tails_outstanding() + self._restore_held(self.reserved_restore)
+
+    def lend(self, history: int, planned: int | None = None) -> int:
+        """Pool blocks a `restore` step with ``history`` link-carried blocks per layer borrows
+        (``restore_room.RestoreRoom.lend``): what the pool can spare beyond the tails' claims,
+        or under `fill` what the residency planned for it (``planned``)."""
+        if self.room is None or not history:
+            return 0
+        spare = (planned if planned is not None
+                 else self.kv.device.num_free - self.tails_outstanding())
+        return min(self.room.lend(history, spare), self.kv.device.num_free)
 
     def prefill_room(self, req: Request, step_room: int) -> int:
         """Tokens a prefill chunk of ``req`` may write now without touching others' reserve
@@ -93,7 +107,8 @@ class Admission:
     def check_fits(self, req: Request) -> None:
         """Raise if the request could never be admitted, even on an idle engine."""
         r = self.reservation(req)
-        if r.device_total + self.scratch_blocks > self.kv.device.num_blocks:
+        need = r.device_blocks + self._restore_held(r.restore_blocks) + self.scratch_blocks
+        if need > self.kv.device.num_blocks:
             p = self.kv.policy
             if p.fill:
                 remedy = (f"or lower resident_tail_tokens (now {p.resident_tail_tokens}: "
@@ -104,10 +119,10 @@ class Admission:
             else:
                 remedy = "or use an offloading mode"
             if r.restore_blocks:
-                remedy += (f"; {r.restore_blocks} of them hold two restored layers of its "
-                           "history (a streaming mode needs none)")
+                remedy += (f"; {self._restore_held(r.restore_blocks)} of them are room for its "
+                           "restored history")
             raise ValueError(
-                f"request needs {r.device_total + self.scratch_blocks} device KV blocks but the "
+                f"request needs {need} device KV blocks but the "
                 f"device budget holds {self.kv.device.num_blocks}; raise device_kv_bytes "
                 + remedy)
         if r.host_blocks > self.kv.host.num_blocks:
@@ -124,7 +139,9 @@ class Admission:
             req = waiting[0]
             r = self.reservation(req)
             limit = self.kv.device.num_blocks - self.scratch_blocks
-            if (self.reserved_device + r.device_total > limit
+            device = (self.reserved_device + r.device_blocks
+                      + self._restore_held(self.reserved_restore + r.restore_blocks))
+            if (device > limit
                     or self.reserved_host + r.host_blocks > self.kv.host.num_blocks):
                 break
             if not self.kv.policy.offload and self.kv.device.num_free < r.device_blocks - 1:
@@ -142,7 +159,8 @@ class Admission:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.perf_counter()
             self.reserved[req.request_id] = r
-            self.reserved_device += r.device_total
+            self.reserved_device += r.device_blocks
+            self.reserved_restore += r.restore_blocks
             self.reserved_host += r.host_blocks
             req.status = Status.RUNNING
             running.append(req)
@@ -152,5 +170,6 @@ class Admission:
         """A request ended: its reservation is free for others."""
         r = self.reserved.pop(rid, None)
         if r is not None:
-            self.reserved_device -= r.device_total
+            self.reserved_device -= r.device_blocks
+            self.reserved_restore -= r.restore_blocks
             self.reserved_host -= r.host_blocks

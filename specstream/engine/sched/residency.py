@@ -15,17 +15,21 @@ from dataclasses import replace
 from specstream.config import EngineConfig
 from specstream.engine.contract import SeqWork
 from specstream.engine.request import Request
+from specstream.engine.sched.restore_room import RestoreRoom
 from specstream.kvcache.manager import KVManager
 from specstream.kvcache.residency import residency_targets
 
 
 class Residency:
-    def __init__(self, config: EngineConfig, kv: KVManager, restore_layers: int | None) -> None:
-        self.config, self.kv, self.restore_layers = config, kv, restore_layers
+    def __init__(self, config: EngineConfig, kv: KVManager, room: RestoreRoom | None) -> None:
+        self.config, self.kv, self.room = config, kv, room
         # what the step needs beyond the shares, counted by rebalance before it allocates
         # anything: restore-mode room for its history (pool blocks lent to it) and the decode
         # rounds' new blocks
         self.step_room = 0
+        # `restore` modes: the room rebalance planned for the step's restores when two whole
+        # layers of the history did not fit beside the floors (None: they did, as they may)
+        self.restore_room: int | None = None
 
     def rebalance(self, running: list[Request], scratch: int) -> None:
         """Share the device blocks among the running requests: each keeps at least its
@@ -55,14 +59,20 @@ class Residency:
             floors.append(min(blocks, max(tail, pinned)))
             caps.append(blocks)
         pool = kv.device.num_blocks - growth - scratch
-        layers = self.restore_layers
+        rr = self.room
 
         def room(targets: list[int]) -> int:  # lent blocks for the history that streams
-            streamed = sum(c - t for c, t in zip(caps, targets))
-            return -(-2 * streamed // layers) if layers else 0
+            if rr is None:
+                return 0
+            return rr.whole(sum(rr.link_blocks(c - t) for c, t in zip(caps, targets)))
 
-        targets = residency_targets(floors, caps, pool, room if layers else None)
-        self.step_room = room(targets) + growth
+        # two whole layers of the history beside the floors, or restores in pieces in the
+        # guaranteed room, the rest of the pool resident
+        whole = rr is None or sum(floors) + room(floors) <= pool
+        cost = room if whole or rr is None else (lambda t: min(room(t), rr.guaranteed))
+        targets = residency_targets(floors, caps, pool, cost if rr else None)
+        self.restore_room = None if whole else cost(targets)
+        self.step_room = cost(targets) + growth
         for r, t in zip(reqs, targets):
             kv.set_target(r.request_id, t)
         # the step's working room must be free: those furthest over their share make it

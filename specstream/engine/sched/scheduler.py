@@ -25,6 +25,7 @@ from specstream.engine.sched.drafts import DraftPlanner
 from specstream.engine.sched.groups import Groups
 from specstream.engine.sched.host_split import HostSplitter, MeasuredSplit, split_steps
 from specstream.engine.sched.residency import Residency
+from specstream.engine.sched.restore_room import RestoreRoom
 from specstream.engine.sched.update import StepUpdate, Update
 from specstream.kvcache.manager import BlockCopy, KVManager
 from specstream.kvcache.residency import OffloadPolicy
@@ -37,9 +38,11 @@ class Scheduler:
         eos_token_ids: Collection[int] = (),
         tokenizer: TextCodec | None = None, history_token_bytes: int = 0, num_layers: int = 1,
         shaper: RoundShaper | None = None, host_split: HostSplitter | None = None,
+        restore_room_blocks: int = 1,
     ) -> None:
         """``num_layers``: the target's layers (the `restore` modes hold two of them of a
-        step's history in lent pool blocks); ``shaper``: the round-shape policy
+        step's history in lent pool blocks, or pieces of a layer in ``restore_room_blocks``,
+        the room the budget guarantees); ``shaper``: the round-shape policy
         (default: the config's, None unless speculative_policy is auto); ``host_split``: how
         the host's share of cold history is chosen (default: ``MeasuredSplit``)."""
         self.config, self.kv = config, kv
@@ -55,9 +58,11 @@ class Scheduler:
         self._copies: list[BlockCopy] = []  # prefix-cache hits of the requests just admitted
         self.shaper = shaper if shaper is not None else RoundShaper.for_config(config)
         # `restore` modes: a step holds two of the layers of its history in lent pool blocks
-        restore_layers = num_layers if config.mode_spec.history is History.RESTORE else None
-        self.admission = Admission(config, kv, restore_layers)
-        self.residency = Residency(config, kv, restore_layers)
+        room = (RestoreRoom(num_layers, restore_room_blocks,
+                            config.host_attention_fraction or 0.0)
+                if config.mode_spec.history is History.RESTORE else None)
+        self.admission = Admission(config, kv, room)
+        self.residency = Residency(config, kv, room)
         self.groups = Groups(config.speculative and config.mode_spec.two_groups,
                              history_token_bytes,
                              merges=(config.merge_groups
@@ -82,7 +87,8 @@ class Scheduler:
         return cls(config, kv, max_model_len=layout.max_model_len,
                    eos_token_ids=layout.eos_token_ids, tokenizer=tokenizer,
                    history_token_bytes=layout.block_bytes // layout.block_size,
-                   num_layers=layout.num_layers, shaper=shaper, host_split=host_split)
+                   num_layers=layout.num_layers, shaper=shaper, host_split=host_split,
+                   restore_room_blocks=layout.restore_room_blocks)
 
     # ---- requests -----------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -124,11 +130,11 @@ class Scheduler:
             per = max(1, self.config.chunk_tokens // self.config.block_size)
             seqs, share = split_steps(seqs, self.host_split, est, self.num_layers, per)
             self.host_share = self.host_share if share is None else share
-        # `restore` modes: pool blocks for two layers of the step's history, lent for the step
-        # (the admitted requests' reservations keep them free)
+        # `restore` modes: pool blocks for two layers of the step's history (or pieces of a
+        # layer), lent for the step (the admitted requests' reservations keep them free)
         history = sum(s.max_link_blocks for s in seqs)
-        lent = (tuple(self.kv.device.allocate(self.admission.restore_blocks(history)))
-                if history else ())
+        lend = self.admission.lend(history, self.residency.restore_room)
+        lent = tuple(self.kv.device.allocate(lend)) if lend else ()
         seqs = self.residency.promote(seqs, self.running)
         moving = tuple((rid, tuple(seq.moving)) for rid, seq in self.kv.seqs.items()
                        if seq.moving)
