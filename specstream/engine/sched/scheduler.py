@@ -120,7 +120,9 @@ class Scheduler:
         est = est or Estimates()
         self._copies += self.admission.admit(self.waiting, self.running)
         self.max_concurrency = max(self.max_concurrency, len(self.running))
-        prefill = bool(self.waiting) or any(r.in_prefill for r in self.running)
+        # prefill scratch only for a prompt admitted and prefilling: one still waiting cannot
+        # use it (admission just said so), and the shares make room the step it is admitted
+        prefill = any(r.in_prefill for r in self.running)
         self.residency.rebalance(self.running, self.admission.scratch_blocks if prefill else 0)
         two = self.groups.split(est)
         self.drafts.choose_shape(self.running, two)
