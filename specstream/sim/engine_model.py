@@ -22,6 +22,13 @@ from specstream.kvcache.manager import KVManager
 from specstream.models.config import ModelConfig
 
 SIMULATED_DRAFT = "(simulated draft)"  # a draft_model name for configs that need one
+# What a run recorded before a setting existed ran with, where the engine's default has moved
+# since: two groups throughout (before they could merge); q drafts every round in chains (before
+# "auto" and trees: an absent "speculative_policy"; a None one is the auto default of its day).
+# Host attention is off unless the run names it, absent or None: the replay's step costs have
+# no host attention in them, and the engine's own default depends on the cores of the machine
+# that runs the replay, not of the one that ran the bench.
+RECORDED_BEFORE = {"merge_groups": False, "speculative_policy": "fixed", "speculative_topk": 1}
 
 
 @dataclass(frozen=True)
@@ -52,8 +59,9 @@ def engine_config(settings: dict[str, Any], mode: str, **overrides: Any) -> Engi
     (through ``BenchSettings.engine_kwargs``, as the bench itself builds it); ``overrides``
     replace EngineConfig fields (e.g. ``drafting="sequential"`` for an ablation)."""
     known = {f.name for f in fields(BenchSettings)}
-    # a run recorded before the groups could merge ran two groups throughout
-    settings = {"merge_groups": False, **settings}
+    settings = {**RECORDED_BEFORE, **settings}
+    if settings.get("host_attention") is None:
+        settings["host_attention"] = "off"
     s = BenchSettings(**{k: v for k, v in settings.items() if k in known and v is not None})
     kw = {**s.engine_kwargs(mode), **overrides}
     kw.pop("link_gbps", None)  # the link is the simulator's; the schedule does not read it

@@ -173,20 +173,29 @@ def replay_mean(s: ReplaySetup, seeds: int | None = None) -> ReplayRun:
 # ---- a bench JSON as replay setups ---------------------------------------------------------
 def acceptance_of(data: dict[str, Any]) -> AcceptanceModel:
     """The run's acceptance by position: its measured histogram where the file has one, else
-    the i.i.d. rate that gives the speculative modes' measured mean accepted length (the
-    calibration's ``alpha`` is accepted / proposed drafts, which is lower: a chain stops at
-    its first rejection)."""
+    the i.i.d. rate that gives the speculative modes' measured mean accepted lengths, each at
+    the depths its rounds ran (``speculative_depth_chosen`` under ``auto``; q otherwise).
+    Not the calibration's ``alpha`` (accepted / proposed drafts, which is lower: a chain stops
+    at its first rejection), and not every round at q: under ``auto`` the engine chose depths
+    1 and 2 for many rounds, which cap what a round can yield."""
     cal = data["calibration"]
     acc = cal["acceptance"]
     if "accepted_counts" in acc:
         return AcceptanceModel(accepted_counts=tuple(int(n) for n in acc["accepted_counts"]),
                                measured_q=int(acc["q"]))
     q = int(cal.get("q", 4))
-    means = [float(m["mean_accepted_len"]) for name, m in data.get("modes", {}).items()
-             if name != "offload" and m.get("mean_accepted_len")]
-    if not means:
+    runs = [(float(m["mean_accepted_len"]), depths_of(m, q))
+            for name, m in data.get("modes", {}).items()
+            if name != "offload" and m.get("mean_accepted_len")]
+    if not runs:
         return AcceptanceModel(alpha=float(acc["alpha"]))
-    return AcceptanceModel.from_mean(min(max(float(np.mean(means)), 1.0), q + 1.0), q)
+    return AcceptanceModel.from_depth_means(runs)
+
+
+def depths_of(mode: dict[str, Any], q: int) -> dict[int, int]:
+    """The depths a measured mode's rounds ran at: the shaper's choices, else q throughout."""
+    chosen = {int(d): int(n) for d, n in (mode.get("speculative_depth_chosen") or {}).items()}
+    return chosen if sum(chosen.values()) > 0 else {q: 1}
 
 
 def geometry_of(cal: dict[str, Any]) -> Geometry:

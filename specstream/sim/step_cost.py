@@ -13,6 +13,19 @@ target's columns shared by every mode of the run:
 - draft tokens, drafting sequences and the tokens the draft caught up on before drafting (its
   forwards), kept apart as the ``draft part``.
 
+The fit minimises relative, not absolute, errors (``weighted_nnls``: weights 1 / the fitted
+step time, iterated to convergence; a Gamma quasi-likelihood, the right one when a step's noise
+is a share of its time, as a loaded machine's is). A run's steps span two orders of magnitude: a
+step carrying a 1024-token prefill chunk takes 0.3-0.6 s, a decode round 10-30 ms. An absolute
+fit is set by the former: a few % of their time is the whole of a decode round, so the
+constant, per-request and draft columns, which are what a decode round is made of, took up
+the prefill steps' residuals (sim-calib-B's specstream: 11.6 ms per drafting request where its
+decode rounds say ~0.9 ms per draft token) and mispredicted another run's decode rounds by up
+to 50-70%. Throughput is set by the big steps, TPOT (after the first token) by the decode rounds,
+so the relative fit is what both need (``bench/floors.py`` fits its compute model on relative
+errors too). A parallel mode's draft columns, fitted on the draft thread's own time, stay an
+absolute fit (relative weights change them by under 2% on the committed runs).
+
 Link wait (``StepCost.wait_s``), not fitted: the engine moves a step's history in ``units``
 pieces that compute can overlap one after another: ``restore`` modes one layer at a time with
 the next layer prefetched (units = layers), ``stream`` modes one chunk wave at a time through a
@@ -213,10 +226,7 @@ def fit_modes(modes: dict[str, dict[str, Any]], link_bw: float) -> dict[str, Ste
             ys.append(y)
     if not rows:
         raise ValueError("no measured steps to fit")
-    x, y = np.array(rows, dtype=float), np.array(ys, dtype=float)
-    scale = np.abs(x).max(axis=0)
-    scale[scale == 0] = 1.0
-    c = nnls(x / scale, y) / scale
+    c = weighted_nnls(np.array(rows, dtype=float), np.array(ys, dtype=float))
     out = {}
     for k, name in enumerate(names):
         coef = [0.0] * len(FEATURES)
@@ -229,6 +239,25 @@ def fit_modes(modes: dict[str, dict[str, Any]], link_bw: float) -> dict[str, Ste
                 coef[i] = x
         out[name] = StepCost(tuple(coef), concurrent_draft=name in concurrent)
     return out
+
+
+MIN_STEP_S = 1e-3  # a step's time below which its weight stops growing (no forward is faster)
+
+
+def weighted_nnls(x: np.ndarray, y: np.ndarray, iterations: int = 50) -> np.ndarray:
+    """Non-negative coefficients minimising the steps' relative errors (module docstring):
+    least squares weighted by 1 / the fitted time, refitted until the weights settle (the
+    weights come from the fit, not from ``y``: 1 / y would pull every prediction low)."""
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    xs = x / scale
+    c = nnls(xs, y)  # the absolute fit, to start from
+    for _ in range(iterations):
+        w = 1.0 / np.maximum(xs @ c, MIN_STEP_S)
+        c, last = nnls(xs * w[:, None], y * w), c
+        if np.allclose(c, last, rtol=1e-9, atol=0.0):
+            break
+    return c / scale
 
 
 def _fit_draft(v: dict[str, Any]) -> tuple[float, ...]:

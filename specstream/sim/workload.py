@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,6 +105,27 @@ class AcceptanceModel:
         for _ in range(60):  # closed_form is increasing in alpha: bisect
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if cls.closed_form(mid, q) < mean_tokens else (lo, mid)
+        return cls(alpha=(lo + hi) / 2)
+
+    @classmethod
+    def from_depth_means(cls, runs: Sequence[tuple[float, Mapping[int, int]]]) -> AcceptanceModel:
+        """The i.i.d. per-token acceptance that best explains several runs' mean tokens per
+        round, each run's rounds at the depths it chose (``{depth: rounds}``, as the engine's
+        ``speculative_depth_chosen``; depth 0 yields one token): the alpha at which the runs'
+        expected means exceed theirs as much as they fall short. A run whose rounds were
+        shallower than q reached its mean with fewer drafts, so it implies a higher alpha than
+        ``from_mean`` at q would."""
+        runs = [(m, {int(d): n for d, n in h.items() if n > 0}) for m, h in runs]
+        if not runs or any(not h or min(h) < 0 for _, h in runs):
+            raise ValueError("every run needs rounds at non-negative depths")
+
+        def excess(alpha: float) -> float:
+            return sum(sum(n * cls.closed_form(alpha, d) for d, n in h.items())
+                       / sum(h.values()) - mean for mean, h in runs)
+        lo, hi = 0.0, 1.0 - 1e-9
+        for _ in range(60):  # every closed form is increasing in alpha: bisect
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if excess(mid) < 0 else (lo, mid)
         return cls(alpha=(lo + hi) / 2)
 
     @staticmethod
