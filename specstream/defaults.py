@@ -3,6 +3,8 @@ against (the device, the host's spare cores)."""
 
 from __future__ import annotations
 
+import os
+
 GiB = 1 << 30
 # Draft tokens per round when a proposer is given without a number (the reference
 # implementation's middle choice of {1, 2, 4, 6, 8}).
@@ -36,8 +38,6 @@ def default_offload_after(max_model_len: int) -> int:
 def spare_host_cores(compute_threads: int | None) -> int:
     """Cores of this process that the engine's own threads leave free: its compute threads
     (all cores when unset) and the link's copy thread."""
-    import os
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
         os.cpu_count() or 1)
     used = (compute_threads if compute_threads is not None else cores) + 1

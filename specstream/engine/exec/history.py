@@ -30,7 +30,9 @@ widens without a byte more on the link.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Iterator
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -44,6 +46,7 @@ from specstream.registry import Registry
 Wave = tuple[int, torch.Tensor, torch.Tensor, WaveShape]
 # (landed, link_busy_until) -> None: work that may run while a wave is still in flight
 Gap = Callable[[Callable[[], bool], float], None]
+W = TypeVar("W", bound="LayerWave")
 
 
 class InFlight(ABC):
@@ -52,6 +55,22 @@ class InFlight(ABC):
     @abstractmethod
     def done(self) -> bool:
         """The copy has landed (the round would not wait for it)."""
+
+
+class LayerWave(Protocol):
+    """An issued wave that knows its layer (chunk waves, restore pieces)."""
+
+    layer: int
+
+
+def in_order(pending: deque[W], layer: int) -> Iterator[W]:
+    """The issued waves of ``layer`` at the head of ``pending``, oldest first; the caller
+    takes each (``landed`` pops it) before asking for the next."""
+    last: W | None = None
+    while pending and pending[0].layer == layer:
+        assert pending[0] is not last, "take each wave (landed) before the next"
+        last = pending[0]
+        yield last
 
 
 SOURCES: Registry[type[HistorySource]] = Registry("history source")

@@ -21,7 +21,7 @@ import torch
 
 from specstream.attention.waves import WaveShape
 from specstream.backends.base import TransferError, TransferHandle, to_device
-from specstream.engine.exec.history import HistorySource, InFlight, Wave
+from specstream.engine.exec.history import HistorySource, InFlight, Wave, in_order
 
 
 @dataclass
@@ -110,11 +110,7 @@ class PieceRing:
                 self.next_block = 0
 
     def waves(self, layer: int) -> Iterator[InFlight]:
-        last: _Piece | None = None
-        while self.pending and self.pending[0].layer == layer:
-            assert self.pending[0] is not last, "take each piece (landed) before the next"
-            last = self.pending[0]
-            yield last
+        return in_order(self.pending, layer)
 
     def landed(self, wave: InFlight) -> Wave:
         assert isinstance(wave, _Piece) and wave is self.pending[0], "pieces land in order"

@@ -13,7 +13,7 @@ import torch
 from specstream.attention.waves import WaveShape
 from specstream.backends.base import BatchTag, TransferError, TransferHandle, to_device
 from specstream.engine.contract import StepPlan
-from specstream.engine.exec.history import SOURCES, HistorySource, InFlight, Wave
+from specstream.engine.exec.history import SOURCES, HistorySource, InFlight, Wave, in_order
 from specstream.kvcache.storage import KVStore
 
 
@@ -145,11 +145,7 @@ class ChunkStream(HistorySource):
             self.pending.append(_Copy(layer, copy, first, handle))
 
     def waves(self, layer: int) -> Iterator[InFlight]:
-        last: _Copy | None = None
-        while self.pending and self.pending[0].layer == layer:
-            assert self.pending[0] is not last, "take each wave (landed) before the next"
-            last = self.pending[0]
-            yield last
+        return in_order(self.pending, layer)
 
     def landed(self, wave: InFlight) -> Wave:
         assert isinstance(wave, _Copy) and wave is self.pending[0], "waves land in order"

@@ -80,11 +80,10 @@ class PlaneFit:
 
     def add(self, x1: float, x2: float, y: float) -> None:
         d = self.decay
-        self.n, self.s1, self.s2, self.sy = d * self.n + 1, d * self.s1 + x1, d * self.s2 + x2, \
-            d * self.sy + y
-        self.s11, self.s12, self.s22 = d * self.s11 + x1 * x1, d * self.s12 + x1 * x2, \
-            d * self.s22 + x2 * x2
-        self.s1y, self.s2y = d * self.s1y + x1 * y, d * self.s2y + x2 * y
+        for name, value in (("n", 1.0), ("s1", x1), ("s2", x2), ("sy", y), ("s11", x1 * x1),
+                            ("s12", x1 * x2), ("s22", x2 * x2), ("s1y", x1 * y),
+                            ("s2y", x2 * y)):
+            setattr(self, name, d * getattr(self, name) + value)
 
     def coef(self) -> tuple[float, float, float]:
         """(a, b1, b2)."""
