@@ -75,7 +75,8 @@ class EngineConfig:
     # step gives the host the share of every request's cold chunks that the measured host
     # attention rate and link rate finish together, nothing where the host is slower or the
     # round compute-bound; engine/exec/host_attention.py). None (the default): "auto" where
-    # the host has cores the engine's own threads leave (``spare_host_cores``), else "off".
+    # the host has cores the engine's own threads leave while a round waits on the link
+    # (``spare_host_cores``: any machine of two cores or more), else "off".
     # host_attention_fraction fixes that share instead (for tests and ablations).
     host_attention: HostAttentionMode | None = None
     host_attention_fraction: float | None = None
@@ -200,7 +201,7 @@ class EngineConfig:
         if self.mode is None:
             object.__setattr__(self, "mode", Mode.SPECSTREAM if self.proposer else Mode.STREAM)
         if self.host_attention is None:
-            spare = spare_host_cores(self.compute_threads)
+            spare = spare_host_cores(str(self.device).split(":")[0])
             object.__setattr__(self, "host_attention",
                                HostAttentionMode.AUTO if spare else HostAttentionMode.OFF)
         for f in fields(self):

@@ -35,13 +35,15 @@ def default_offload_after(max_model_len: int) -> int:
     return max(1, min(8192, max_model_len // 4))
 
 
-def spare_host_cores(compute_threads: int | None) -> int:
-    """Cores of this process that the engine's own threads leave free: its compute threads
-    (all cores when unset) and the link's copy thread."""
+def spare_host_cores(device: str = "cpu") -> int:
+    """Cores of this process the engine's own threads leave free while a round waits on the
+    link: the link's copy thread always, and on a CUDA device the driver thread that launches
+    the round. On the cpu backend the compute threads emulate the device and sit idle while
+    the round waits on the link (the emulated transfer): those waits are what host attention
+    fills, so they do not count."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
         os.cpu_count() or 1)
-    used = (compute_threads if compute_threads is not None else cores) + 1
-    return max(0, cores - used)
+    return max(0, cores - (2 if device == "cuda" else 1))
 
 
 def detect_device() -> str:

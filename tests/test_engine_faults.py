@@ -208,11 +208,13 @@ def test_the_default_mode_streams_and_speculates_where_it_can():
 def test_host_attention_is_auto_where_the_engine_leaves_cores(monkeypatch):
     import os
 
-    for cores, want in ((1, "off"), (2, "off"), (3, "auto"), (16, "auto")):
+    for cores in (1, 2, 3, 16):
         monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
-        # the engine's threads: one compute thread and the link's copy thread
-        assert EngineConfig(compute_threads=1).host_attention == want
-        assert spare_host_cores(1) == max(0, cores - 2)
+        # the cpu backend's compute threads idle while a round waits on the link: only the
+        # copy thread counts; on CUDA the driver thread and the copy thread
+        assert EngineConfig().host_attention == ("auto" if cores >= 2 else "off")
+        assert spare_host_cores() == cores - 1
+        assert spare_host_cores("cuda") == max(0, cores - 2)
     assert EngineConfig(host_attention="off").host_attention == "off"
 
 
