@@ -35,6 +35,7 @@ def _decode_round_calls(tiny_target, num_requests: int, wave_requests: int) -> t
     """Attention calls of the first decode round that verifies every request (no prefill in
     it), and the model's layer count. Every request has 4 history chunks of 64 tokens."""
     llm = LLM(tiny_target, mode="stream", device_kv_bytes=8_000_000, residency="tail",
+              host_attention="off",
               wave_requests=wave_requests, **dict(OFFLOAD, max_prefill_tokens=2048))
     eng = llm.engine
     eng.worker.attention = CountingWaves

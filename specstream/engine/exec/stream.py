@@ -27,6 +27,7 @@ class _WaveCopy:
     shape: WaveShape
     tag: BatchTag
     num_requests: int
+    num_blocks: int  # the longest chunk of the wave: its keys are num_blocks x block_size
     # promoted blocks in the wave: their rows in the wave's regions, and their device blocks
     promote_rows: torch.Tensor | None = None
     promote_dst: torch.Tensor | None = None
@@ -94,9 +95,12 @@ class ChunkStream(HistorySource):
                     copies.append(_WaveCopy(
                         b, torch.tensor([x for c in chunks for x in c], dtype=torch.long),
                         None if rows is None else torch.tensor(rows, dtype=torch.long),
+                        # keys up to the longest chunk only: a last chunk shorter than the
+                        # region is not padded (padding costs attention time and a mask)
                         WaveShape.build(None if part == list(range(len(members))) else part,
-                                        [n * bs for n in lens], cb * bs, None, device),
+                                        [n * bs for n in lens], max(lens) * bs, None, device),
                         BatchTag(plan.seqs[members[p]].request_id for p in part), len(part),
+                        max(lens),
                         to_device(p_rows, torch.long, device) if p_rows else None,
                         to_device(p_dst, torch.long, device) if p_dst else None))
         return copies
@@ -164,6 +168,7 @@ class ChunkStream(HistorySource):
             self.store.device[wave.layer].index_copy_(
                 1, copy.promote_dst, buf.index_select(1, copy.promote_rows))
         kv = buf.reshape(2, w, cb * self.store.block_size, cfg.num_kv_heads, cfg.head_dim)
+        kv = kv[:, :, : copy.num_blocks * self.store.block_size]
         return copy.bucket, kv[0], kv[1], copy.shape
 
     def release(self, wave: InFlight) -> None:
