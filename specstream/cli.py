@@ -148,7 +148,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="offloading modes: attend part of each request's cold history on the "
                         "host CPU beside the link, the share that finishes with it ('auto'), "
                         "or not (default: auto where the host has cores the engine's threads "
-                        "leave, else off)")
+                        "leave while a round waits on the link, i.e. two cores or more)")
     g.add_argument("--host-attention-fraction", type=float, default=None,
                    help="a fixed share (0-1) of each request's cold chunks attended on the "
                         "host instead (for ablations)")
