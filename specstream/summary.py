@@ -31,9 +31,11 @@ def generation_summary(llm: Any, out: Any, m: dict[str, Any], wall: float) -> st
                      f"{m['acceptance_rate']:.2f}" + (f"; steps by depth chosen {{{chosen}}}"
                                                       if chosen else ""))
     if cfg.host_attends:
-        lines.append(f"  host          {m.get('host_attention_share', 0.0):.0%} of the cold "
-                     "history attended on the host CPU (host_attention "
-                     f"{cfg.host_attention}); {m.get('host_attention_bytes', 0) / 1e6:.1f} MB")
+        # the run's share (the metric host_attention_share is the last step's)
+        host = m.get("host_attention_bytes", 0)
+        share = host / (host + m["link_bytes_h2d"]) if host else 0.0
+        lines.append(f"  host          {share:.1%} of the cold history attended on the host "
+                     f"CPU, {host / 1e6:.1f} MB (host_attention {cfg.host_attention})")
     if cfg.tree:
         lines.append(f"  trees         {m['mean_tree_nodes_per_round']:.1f} nodes verified per "
                      f"round; accepted by depth {m['accepted_per_pos']}")
