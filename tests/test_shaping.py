@@ -119,7 +119,10 @@ def test_auto_policy_with_trees_is_exact_and_learns_ranks(tiny_target):
               # reliably so: the groups merged in some steps, and trees ran in 1 to 22 rounds)
               speculative_policy="auto", residency="tail", link_gbps=0.01, block_size=16,
               chunk_tokens=64, device_kv_bytes=600_000, resident_tail_tokens=32,
-              offload_after_tokens=64, max_prefill_tokens=128)
+              offload_after_tokens=64, max_prefill_tokens=128,
+              # the link alone carries the history (host attention, auto by default on two
+              # cores, would take part of it and make the round less link-bound)
+              host_attention="off")
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     m = llm.get_metrics()
