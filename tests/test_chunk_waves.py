@@ -69,6 +69,32 @@ def test_wave_width_splits_a_bucket(tiny_target):
     assert calls == layers * (2 * 4 + 1)
 
 
+def test_a_wave_ends_at_its_longest_chunk(tiny_target):
+    """A history wave's keys end at its longest chunk, not at its staging region's end: a
+    request's last chunk, shorter than chunk_tokens, is attended without padding (the tail
+    waves pad to a block at most). Outputs equal resident's."""
+    widths: list[tuple[int, int]] = []  # (keys in the wave, longest request's keys)
+
+    class Widths(TorchWaves):
+        def add(self, k, v, shape):  # type: ignore[no-untyped-def]
+            widths.append((k.shape[1], int(shape.key_len.max())))
+            super().add(k, v, shape)
+
+    prompts = _prompts((150, 230))
+    ref = LLM(tiny_target, mode="resident", device_kv_bytes=4_000_000, block_size=16)
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, GREEDY, use_tqdm=False)]
+    ref.close()
+    llm = LLM(tiny_target, mode="stream", device_kv_bytes=1_000_000, residency="tail",
+              host_attention="off", **OFFLOAD)
+    llm.engine.worker.attention = Widths
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    llm.close()
+    assert got == want
+    chunk = OFFLOAD["chunk_tokens"]
+    assert any(longest < chunk for _, longest in widths)  # short last chunks were streamed
+    assert all(keys - longest < OFFLOAD["block_size"] for keys, longest in widths)
+
+
 @pytest.mark.skipif(not waves.triton_available(), reason="triton cannot be imported here")
 def test_triton_engine_path_equals_torch(tiny_target, tiny_draft):
     """The engine's Triton path (Triton's interpreter on the CPU) decodes what the torch path
