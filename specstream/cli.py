@@ -162,6 +162,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "--no-enable-prefix-caching turns it off (default: on)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=None, help="the same as --no-enable-prefix-caching (default: on)")
+    g.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=None,
+                   help="offloading modes: requests that start with the same full KV blocks "
+                        "reference one copy of them, streamed once a round for all; "
+                        "--no-prefix-sharing copies prefix-cache hits instead (default: on)")
     g.add_argument("--offload-after-tokens", type=int, default=None,
                    help="a request's history moves to the host past this many tokens "
                         "(default: a quarter of the model's context, at most 8192)")

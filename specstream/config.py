@@ -67,10 +67,15 @@ class EngineConfig:
     # resident tail once past offload_after_tokens and streams everything older (the paper's
     # configuration; for ablations).
     residency: Residency = Residency.FILL
-    # Automatic prefix caching (as vLLM's): the full KV blocks of finished requests stay
-    # cached in both tiers (LRU, yielding to requests), and a request whose prompt starts with
-    # cached blocks copies them instead of prefilling them (kvcache/prefix_cache.py).
+    # Automatic prefix caching (as vLLM's): full KV blocks stay cached in both tiers (LRU,
+    # yielding to requests) for prompts that start with them (kvcache/prefix_cache.py).
     enable_prefix_caching: bool = True
+    # Offloading modes with the prefix cache: full host blocks join the cache as they are
+    # written back, and a prompt that starts with cached blocks references them instead of
+    # copying them (requests arriving together wait for the first one's prefill of what they
+    # share); a shared block is held once and crosses the link once a round for all its
+    # sharers (kvcache/manager.py). False: hits copy blocks.
+    prefix_sharing: bool = True
     # Attention over cold history on the host CPU (offloading modes): "off", or "auto" (each
     # step gives the host the share of every request's cold chunks that the measured host
     # attention rate and link rate finish together, nothing where the host is slower or the

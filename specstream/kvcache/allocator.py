@@ -37,8 +37,14 @@ class BlockAllocator:
 
     @property
     def num_used(self) -> int:
-        """Blocks requests hold (the cache's not counted)."""
-        return self.num_blocks - len(self._free) - self.num_cached
+        """Blocks requests hold: their own and cached ones they reference or a planned copy
+        reads (pinned); the cache's others not counted."""
+        spare = self.cache.num_reclaimable(self.tier) if self.cache is not None else 0
+        return self.num_blocks - len(self._free) - spare
+
+    def note_peak(self) -> None:
+        """Count the usage peak after pins changed what is in use."""
+        self.peak_used = max(self.peak_used, self.num_used)
 
     def allocate(self, n: int, after: int | None = None) -> list[int]:
         """``n`` blocks, consecutive ids when possible (continuing ``after`` first): a request's

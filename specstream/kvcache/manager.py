@@ -28,59 +28,25 @@ The manager plans movements; the transfer handler performs them:
   streamed blocks; the step that streams them anyway copies them into those blocks as they pass
   (no extra link bytes); ``complete_promotion`` moves the window's start back.
 - ``restore_chunks``: the blocks before the device window, cut into chunks of ``chunk_tokens``.
+
+Prefix sharing (``prefix_sharing``, offloading modes): a request's full host blocks join the
+prefix cache once written back (``share_written``), and a request whose prompt starts with
+cached blocks references them (``adopt_prefix``) instead of copying them: the blocks belong to
+the cache, counted once in the host tier, and each request holds a reference (a pin; ``refs``).
+A block two or more running requests reference (``shared_run``: the leading run of them)
+streams once a round for all of them where it crosses the link (exec/stream.py): restore
+chunks are cut where the run ends so that every sharer's chunks of it are the same blocks.
+`fill` may still promote a shared block into a sharer's device window (a copy of its own).
 """
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
-
 from specstream.kvcache.allocator import BlockAllocator
+from specstream.kvcache.blocks import BlockCopy, CopyKind, RestoreChunk, SeqBlocks
 from specstream.kvcache.prefix_cache import Entry, PrefixCache
 from specstream.kvcache.residency import OffloadPolicy
 
-
-class CopyKind(str, enum.Enum):
-    """Where a whole-block copy of a step goes (prefix-cache hits): within the tier the mode
-    keeps history in."""
-
-    HOST_TO_HOST = "h2h"
-    DEVICE_TO_DEVICE = "d2d"
-
-
-# A block copy the worker makes at the start of a step: kind, source block, destination block.
-BlockCopy = tuple[CopyKind, int, int]
-
-
-@dataclass
-class SeqBlocks:
-    # host copies of blocks 0 .. len(host_blocks) - 1
-    host_blocks: list[int] = field(default_factory=list)
-    # device copies of blocks first .. first + len(device_blocks) - 1 (the newest)
-    device_blocks: list[int] = field(default_factory=list)
-    first: int = 0
-    num_tokens: int = 0  # tokens whose KV is stored
-    # (device block, host block) copies planned and not completed: blocks len(host_blocks) ..
-    # len(host_blocks) + len(moving) - 1, still on the device
-    moving: list[tuple[int, int]] = field(default_factory=list)
-    # device blocks receiving blocks first - len(promoting) .. first - 1 during a step
-    promoting: list[int] = field(default_factory=list)
-    # `fill`: device blocks the scheduler gave the request (None: no limit)
-    target: int | None = None
-
-    @property
-    def droppable(self) -> int:
-        """Device blocks with a host copy (the window's oldest), which may leave at no cost."""
-        return max(0, len(self.host_blocks) - self.first)
-
-
-@dataclass(frozen=True)
-class RestoreChunk:
-    """A run of host blocks restored together: tokens [start, start + num_tokens)."""
-
-    host_blocks: tuple[int, ...]
-    start: int
-    num_tokens: int
+__all__ = ["BlockCopy", "CopyKind", "KVManager", "RestoreChunk", "SeqBlocks"]
 
 
 class KVManager:
@@ -88,7 +54,7 @@ class KVManager:
 
     def __init__(
         self, block_size: int, num_device_blocks: int, num_host_blocks: int, policy: OffloadPolicy,
-        prefix_caching: bool = False,
+        prefix_caching: bool = False, prefix_sharing: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
@@ -100,6 +66,8 @@ class KVManager:
         self.block_size = block_size
         self.policy = policy
         self.cache = PrefixCache(block_size) if prefix_caching else None
+        # references instead of copies: host-tier blocks, so offloading modes only
+        self.sharing = self.cache is not None and prefix_sharing and policy.offload
         self.device = BlockAllocator(num_device_blocks, "device", self.cache)
         self.host = BlockAllocator(num_host_blocks, "host", self.cache)
         self.seqs: dict[str, SeqBlocks] = {}
@@ -170,7 +138,10 @@ class KVManager:
         seq = self.seqs.pop(rid, None)
         if seq is None:
             return
-        device, host = list(seq.device_blocks), list(seq.host_blocks)
+        device = list(seq.device_blocks)
+        host = [b for i, b in enumerate(seq.host_blocks) if i not in seq.refs]
+        if self.cache is not None and seq.refs:  # the cache owns them: drop the references
+            self.cache.unpin([(e, "host") for e in seq.refs.values()])
         self.device.free(seq.promoting)
         self.host.free([h for _, h in seq.moving])  # write-backs that did not land
         if self.cache is not None and token_ids is not None:
@@ -180,7 +151,8 @@ class KVManager:
             on_device = [device[i - seq.first]
                          if seq.first <= i < seq.first + len(device) and not self.policy.offload
                          else None for i in range(full)]
-            on_host = [host[i] if i < len(host) else None for i in range(full)]
+            on_host = [seq.host_blocks[i] if i < len(seq.host_blocks) and i not in seq.refs
+                       else None for i in range(full)]
             taken = {b for b in on_device if b is not None}, {b for b in on_host if b is not None}
             left_device, left_host = self.cache.insert(token_ids, on_device, on_host)
             device = [b for b in device if b not in taken[0]] + left_device
@@ -202,6 +174,8 @@ class KVManager:
         seq = self.seqs.setdefault(rid, SeqBlocks())
         if seq.num_tokens or seq.host_blocks:
             return 0, []
+        if self.sharing:
+            return self._reference_prefix(seq, prompt, max_blocks), []
         if p.offload:
             hits = self.cache.lookup(prompt, max_blocks, tiers=("host",))
             # as many as the host tier can take without the cached copies the hits read
@@ -226,6 +200,77 @@ class KVManager:
             dst = seq.device_blocks[: len(hits)]
         seq.num_tokens = len(hits) * bs
         return seq.num_tokens, [(kind, src, d) for src, d in zip(sources, dst) if src is not None]
+
+    def _reference_prefix(self, seq: SeqBlocks, prompt: list[int], max_blocks: int) -> int:
+        """Prefix sharing: the request references the cached host blocks its prompt starts
+        with (no copies); returns the tokens it need not prefill."""
+        assert self.cache is not None
+        hits = self.cache.lookup(prompt, max_blocks, tiers=("host",))
+        self.cache.record(len(prompt), ["host"] * len(hits))
+        self.cache.pin([(e, "host") for e in hits])
+        self.host.note_peak()
+        seq.host_blocks = [e.host for e in hits if e.host is not None]
+        seq.refs, seq.adopted = dict(enumerate(hits)), len(hits)
+        seq.first = seq.offered = len(hits)
+        seq.num_tokens = len(hits) * self.block_size
+        return seq.num_tokens
+
+    def prefix_hits(self, prompt: list[int]) -> list[Entry]:
+        """Prefix sharing: the cached host entries a request of ``prompt`` would reference
+        now (as ``adopt_prefix`` would, at least the last prompt token left to prefill)."""
+        if not self.sharing or self.cache is None:
+            return []
+        return self.cache.lookup(prompt, (len(prompt) - 1) // self.block_size, tiers=("host",))
+
+    def share_written(self, rid: str, token_ids: list[int]) -> int:
+        """Prefix sharing: offer ``rid``'s host blocks not offered yet (full blocks of
+        ``token_ids``, its prompt and output) to the cache, which takes those whose key it has
+        no host copy of; returns how many it took (references the request now holds)."""
+        seq = self.seqs.get(rid)
+        if not self.sharing or self.cache is None or seq is None:
+            return 0
+        end = min(len(seq.host_blocks), len(token_ids) // self.block_size)
+        if end <= seq.offered:
+            return 0
+        host = [None if i in seq.refs else seq.host_blocks[i] for i in range(seq.offered, end)]
+        taken = self.cache.share(token_ids, host, seq.offered)
+        seq.refs.update(taken)
+        seq.offered = end
+        return len(taken)
+
+    def shared_run(self, rid: str) -> int:
+        """The leading host blocks of ``rid`` that another running request references too."""
+        seq, n = self.seqs[rid], 0
+        while n in seq.refs and seq.refs[n].pins["host"] > 1:
+            n += 1
+        return n
+
+    def duplicate_blocks(self, rids: list[str] | None = None) -> int:
+        """References beyond the first to the host blocks that the requests ``rids`` (None:
+        all) share: the blocks they would hold, or move, again without sharing."""
+        refs: dict[int, int] = {}
+        for rid in self.seqs if rids is None else rids:
+            seq = self.seqs.get(rid)
+            for e in seq.refs.values() if seq is not None else ():
+                refs[e.key] = refs.get(e.key, 0) + 1
+        return sum(n - 1 for n in refs.values())
+
+    def unreserved_shared(self) -> int:
+        """Host blocks the cache holds for running requests' references that no running
+        request's reservation counts (those of requests that ended, or cached before)."""
+        if not self.sharing or self.cache is None:
+            return 0
+        owned = sum(len(s.refs) - s.adopted for s in self.seqs.values())
+        return len(self.cache.pinned["host"]) - owned
+
+    def shared_block_refs(self) -> tuple[int, int]:
+        """(references to host blocks two or more running requests share, those blocks)."""
+        refs: dict[int, int] = {}
+        for seq in self.seqs.values():
+            for e in seq.refs.values():
+                if e.pins["host"] > 1:
+                    refs[e.key] = e.pins["host"]
+        return sum(refs.values()), len(refs)
 
     def release_pins(self) -> None:
         """The step that made the planned copies has run: their sources may be evicted."""
@@ -325,8 +370,12 @@ class KVManager:
             return []
         per_chunk = max(1, self.policy.chunk_tokens // self.block_size)
         out = []
-        for i in range(0, seq.first, per_chunk):
-            blocks = tuple(seq.host_blocks[i : min(i + per_chunk, seq.first)])
-            out.append(RestoreChunk(blocks, i * self.block_size, len(blocks) * self.block_size))
+        # cut where the shared run ends: every sharer's chunks of it are the same blocks
+        cut = min(self.shared_run(rid), seq.first) if seq.refs else 0
+        for lo, hi in ((0, cut), (cut, seq.first)):
+            for i in range(lo, hi, per_chunk):
+                blocks = tuple(seq.host_blocks[i : min(i + per_chunk, hi)])
+                out.append(RestoreChunk(blocks, i * self.block_size,
+                                        len(blocks) * self.block_size))
         return out
 

@@ -17,6 +17,11 @@ conversation; document QA sends one long context with many questions).
   counted against the budgets exactly like blocks the request prefilled itself. The
   ``KVManager`` caches in the tier its mode keeps history in: the device in ``resident`` mode,
   the host in the offloading modes (write-through puts every full block there).
+- **Sharing** (``prefix_sharing``, offloading modes): the host tier's entries are also shared
+  by running requests. A request's full host blocks join the cache as soon as they are written
+  back (``share``), and a later request whose prompt starts with them references the same
+  blocks instead of copying them. A reference is a pin of the entry's host block, so a block
+  in use is never evicted; the entry's ``pins`` count its references.
 - **Yielding**: cached blocks count as free in their allocator; an allocation that finds too
   few truly free blocks reclaims the least recently used cached copies of its tier
   (``reclaim``), the deepest blocks of a prefix first. Entries a planned copy reads are pinned
@@ -120,6 +125,30 @@ class PrefixCache:
             kept.append(e)
         self._touch_chain(kept)
         return left_device, left_host
+
+    def share(self, tokens: Sequence[int], host: Sequence[int | None], start: int = 0
+              ) -> dict[int, Entry]:
+        """A running request's host blocks ``host[i]`` (None: not to share) for blocks
+        ``start + i`` of ``tokens``: each joins the cache where no entry holds a host copy of
+        its key yet, pinned for the request (a reference). Returns the entries taken, by block
+        index: the request's references (the cache owns those blocks now)."""
+        taken: dict[int, Entry] = {}
+        chain = self.chain(tokens, start + len(host))[start:]
+        for i, ((key, parent, block), h) in enumerate(zip(chain, host), start):
+            if h is None:
+                continue
+            e = self._find(key, parent, block)
+            if e is None:
+                if key in self.entries:
+                    continue  # a collision: the entry there stays
+                e = self.entries[key] = Entry(key, parent, block)
+            if e.host is not None:
+                continue  # another copy is cached already: the request keeps its own
+            e.host = h
+            self.lru["host"][e.key] = None
+            self.pin([(e, "host")])
+            taken[i] = e
+        return taken
 
     def record(self, queried: int, hit_tiers: Sequence[str]) -> None:
         """Count a lookup: ``queried`` prompt tokens, one hit block per entry of ``hit_tiers``

@@ -6,6 +6,11 @@ out of memory mid-way: when memory runs short new requests wait; nothing admitte
 The `restore` modes also reserve the pool blocks a step lends to hold two layers of the
 admitted requests' history (the one attended, the next one prefetched), up to the room the
 budget guarantees (``restore_room.py``: beyond it, layers come in pieces).
+
+With prefix sharing a request references the cached host blocks its prompt starts with: they
+are held once, so its reservation leaves them out, and the host tier counts each shared block
+once (``KVManager.unreserved_shared``). A prompt that starts with blocks a running request is
+still prefilling (or writing back) waits for them instead of prefilling them again.
 """
 
 from __future__ import annotations
@@ -52,8 +57,9 @@ class Admission:
         pool = self.kv.device.num_blocks - (self.room.guaranteed if self.room else 0)
         return min(want, max(2, pool // 4))
 
-    def reservation(self, req: Request) -> Reservation:
-        """Device blocks of the request's steady tail; host blocks of its whole history."""
+    def reservation(self, req: Request, shared: int = 0) -> Reservation:
+        """Device blocks of the request's steady tail; host blocks of its whole history but
+        the ``shared`` cached blocks it references."""
         total = len(req.prompt_token_ids) + req.params.max_tokens
         bs, p = self.config.block_size, self.kv.policy
         step = self.config.verify_tokens
@@ -66,7 +72,8 @@ class Admission:
             tail = total + step
         streamed = max(0, (total - p.resident_tail_tokens) // bs) if p.offload else 0
         room = self.room
-        return Reservation(-(-tail // bs) + 1, self.kv.host_blocks_needed(total),
+        return Reservation(-(-tail // bs) + 1,
+                           max(0, self.kv.host_blocks_needed(total) - shared),
                            room.whole(room.link_blocks(streamed)) if room else 0)
 
     def tails_outstanding(self) -> int:
@@ -137,12 +144,17 @@ class Admission:
         copies: list[BlockCopy] = []
         while waiting and len(running) < self.config.max_num_seqs:
             req = waiting[0]
-            r = self.reservation(req)
+            adopts = not req.num_computed_tokens and req.params.prompt_logprobs is None
+            hits = self.kv.prefix_hits(req.prompt_token_ids) if adopts else []
+            if adopts and self._awaits_sharer(req, len(hits), running):
+                break
+            r = self.reservation(req, len(hits))
             limit = self.kv.device.num_blocks - self.scratch_blocks
             device = (self.reserved_device + r.device_blocks
                       + self._restore_held(self.reserved_restore + r.restore_blocks))
-            if (device > limit
-                    or self.reserved_host + r.host_blocks > self.kv.host.num_blocks):
+            host = (self.reserved_host + self.kv.unreserved_shared() + r.host_blocks
+                    + sum(not e.pins["host"] for e in hits))
+            if device > limit or host > self.kv.host.num_blocks:
                 break
             if not self.kv.policy.offload and self.kv.device.num_free < r.device_blocks - 1:
                 break  # cached blocks a prefix hit of this step copies from: next step
@@ -152,7 +164,7 @@ class Admission:
                 self.kv.allocate(req.request_id, (r.device_blocks - 1) * self.config.block_size)
             # a prefix-cache hit: copies, not prefill (not with prompt_logprobs, which need
             # the logits of every prompt position, as vLLM)
-            if not req.num_computed_tokens and req.params.prompt_logprobs is None:
+            if adopts:
                 hit, hit_copies = self.kv.adopt_prefix(req.request_id, req.prompt_token_ids)
                 req.num_computed_tokens = req.num_cached_tokens = hit
                 copies += hit_copies
@@ -166,6 +178,24 @@ class Admission:
             running.append(req)
         return copies
 
+    def _awaits_sharer(self, req: Request, hits: int, running: list[Request]) -> bool:
+        """Prefix sharing: whether ``req``'s prompt starts with more full blocks of a running
+        request's prompt than the cache holds for it (``hits``) while that request still
+        prefills them or writes them back: then it waits and references them instead."""
+        if not self.kv.sharing:
+            return False
+        bs, prompt = self.config.block_size, req.prompt_token_ids
+        most = (len(prompt) - 1) // bs
+        for other in running:
+            seq = self.kv.seqs.get(other.request_id)
+            if seq is None:
+                continue
+            common = common_blocks(prompt, other.prompt_token_ids, bs, most)
+            if common > hits and (other.in_prefill
+                                  or (seq.moving and len(seq.host_blocks) < common)):
+                return True
+        return False
+
     def release(self, rid: str) -> None:
         """A request ended: its reservation is free for others."""
         r = self.reserved.pop(rid, None)
@@ -173,3 +203,12 @@ class Admission:
             self.reserved_device -= r.device_blocks
             self.reserved_restore -= r.restore_blocks
             self.reserved_host -= r.host_blocks
+
+
+def common_blocks(a: list[int], b: list[int], block_size: int, most: int) -> int:
+    """Full blocks (at most ``most``) two token sequences start with in common."""
+    n = 0
+    while n < most and a[n * block_size : (n + 1) * block_size] == b[
+            n * block_size : (n + 1) * block_size] and len(b) >= (n + 1) * block_size:
+        n += 1
+    return n

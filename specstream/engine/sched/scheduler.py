@@ -83,7 +83,8 @@ class Scheduler:
                                offload_after_tokens=layout.offload_after_tokens,
                                chunk_tokens=config.chunk_tokens, residency=config.residency)
         kv = KVManager(config.block_size, layout.num_device_blocks, layout.num_host_blocks,
-                       policy, prefix_caching=config.enable_prefix_caching)
+                       policy, prefix_caching=config.enable_prefix_caching,
+                       prefix_sharing=config.prefix_sharing)
         return cls(config, kv, max_model_len=layout.max_model_len,
                    eos_token_ids=layout.eos_token_ids, tokenizer=tokenizer,
                    history_token_bytes=layout.block_bytes // layout.block_size,
@@ -134,7 +135,9 @@ class Scheduler:
             self.host_share = self.host_share if share is None else share
         # `restore` modes: pool blocks for two layers of the step's history (or pieces of a
         # layer), lent for the step (the admitted requests' reservations keep them free)
-        history = sum(s.max_link_blocks for s in seqs)
+        # (a block several of them restore, a shared prefix, once: exec/restore.py)
+        history = sum(s.max_link_blocks - sum(map(len, s.restore_chunks)) for s in seqs) + len(
+            {b for s in seqs for c in s.restore_chunks for b in c})
         lend = self.admission.lend(history, self.residency.restore_room)
         lent = tuple(self.kv.device.allocate(lend)) if lend else ()
         seqs = self.residency.promote(seqs, self.running)

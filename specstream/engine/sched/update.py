@@ -107,6 +107,7 @@ class Update:
                 self.finish(req, "error", errors[rid])
             else:
                 self.kv.complete_writeback(rid)
+                self.kv.share_written(rid, req.all_token_ids)  # prefix sharing: cache them
 
     def _commit(self, work: SeqWork, req: Request, num_new_tokens: int) -> None:
         """Record a step's KV for one request (drafts past the accepted ones roll back)."""
