@@ -242,7 +242,7 @@ def test_pieces_return_every_layer_bit_for_bit(lent):
                     assert ring is not None
                     if room >= 2 and ring.jobs:  # double-buffered: the next one in flight
                         assert len(ring.pending) >= 2
-                    _, k, v, shape = source.landed(wave)
+                    [(_, k, v, shape)] = source.landed(wave)
                     assert k.shape[1] <= 4 * max(1, room // 2)
                     got[int(shape.index[0])].append(torch.stack([k[0], v[0]]))
                     source.release(wave)

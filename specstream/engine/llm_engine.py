@@ -207,14 +207,14 @@ class LLMEngine:
         return outputs
 
     def _observe(self, plan: StepPlan, result: StepOutput, appended: int, history_floor: int,
-                 kv_held: float) -> None:
+                 kv_held: float, history_unique: int) -> None:
         """What the step measured: into the feedback (the next steps' estimates), the stats
         and the round records, the trace."""
         m = self.meter.measure(plan, result)
         self.feedback.observe(plan, result, m)
         self.stats.generated_tokens += appended
         record = self.stats.record(plan, result, m, self.feedback.link_bps, history_floor,
-                                   kv_held)
+                                   kv_held, history_unique)
         if record is None:
             return
         (self.rounds if m.decode else self.prefill_steps).append(record)
@@ -231,6 +231,7 @@ class LLMEngine:
         shaper, cache = self.scheduler.shaper, self.kv.cache
         dev, host = self.kv.device, self.kv.host
         block_bytes, worker_host = self.store.block_bytes, self.worker.host
+        shared = self.kv.shared_block_refs()
         return EngineMetrics(
             stats=self.stats, mode=self.config.mode_spec.name,
             speculative_depth_chosen=dict(shaper.chosen) if shaper is not None else {},
@@ -253,7 +254,11 @@ class LLMEngine:
             max_concurrency=self.scheduler.max_concurrency,
             tree_kv_moves=self.worker.verifier.moved_slots,
             promoted_blocks=self.kv.promoted_blocks,
-            merged_group_steps=self.scheduler.groups.merged_steps)
+            merged_group_steps=self.scheduler.groups.merged_steps,
+            shared_block_refs=shared[0], shared_blocks=shared[1],
+            unique_kv_bytes=(sum(s.num_tokens for s in self.kv.seqs.values())
+                             - self.kv.duplicate_blocks() * self.kv.block_size)
+            * block_bytes // self.kv.block_size)
 
     def get_metrics(self) -> dict[str, Any]:
         """``metrics()`` as a dict (the stats' counters and ratios, then the engine's state)."""

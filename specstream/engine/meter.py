@@ -24,11 +24,14 @@ class StepMeter:
         self.stats, self.tracer = stats, tracer
         self.block_size, self.num_layers = store.block_size, store.cfg.num_layers
 
-    def residency(self, plan: StepPlan) -> tuple[int, float]:
+    def residency(self, plan: StepPlan) -> tuple[int, float, int]:
         """The step's history floor (bytes of its requests' history that cannot be resident
         given the device budget: with K tokens of KV in all running requests and room for C on
         the device, a 1 - C/K share of every request's history must cross the link, whichever
-        requests keep what) and the fraction of device KV blocks holding history."""
+        requests keep what; shared blocks counted once in both), the fraction of device KV
+        blocks holding history, and the bytes of the distinct blocks the step's history moves
+        over the link (a block several of its requests read, counted once: what a round that
+        moves each shared block once moves)."""
         kv, bs = self.kv, self.block_size
         held = 0
         total = 0
@@ -37,10 +40,16 @@ class StepMeter:
             held += -(-(seq.num_tokens - seq.first * bs) // bs)
         num_blocks = kv.device.num_blocks
         capacity = num_blocks * bs
-        history = sum(s.start_pos for s in plan.seqs)
+        # unique KV: a block several requests share (prefix sharing) is held and moved once
+        total -= kv.duplicate_blocks() * bs
+        history = sum(s.start_pos for s in plan.seqs) - bs * kv.duplicate_blocks(
+            [s.request_id for s in plan.seqs if s.request_id in kv.seqs])
         share = max(0.0, 1.0 - capacity / total) if total else 0.0
         floor = int(history * share) * self.store.block_bytes // bs
-        return floor, held / num_blocks if num_blocks else 0.0
+        layers = self.num_layers
+        unique = sum(len({b for s in plan.seqs for b in s.layer_link_blocks(layer)})
+                     for layer in range(layers)) * (self.store.block_bytes // layers)
+        return floor, held / num_blocks if num_blocks else 0.0, unique
 
     def measure(self, plan: StepPlan, result: StepOutput) -> StepMeasures:
         """The step's link records (merged busy time, bytes by direction) and host attention

@@ -84,17 +84,21 @@ class EngineStats:
     verify_steps: int = 0
     decode_history_bytes: int = 0
     decode_history_floor_bytes: int = 0
+    # ... and the distinct blocks of it (a block several requests of a round read: once)
+    decode_history_unique_bytes: int = 0
     kv_history_block_s: float = 0.0
     step_wall_s: float = 0.0
     # Host attention: rounds run as two halves a layer apart (exec/round.py).
     halved_rounds: int = 0
 
     def record(self, plan: StepPlan, out: StepOutput, m: StepMeasures, link_bps: float,
-               history_floor: int, kv_held: float) -> RoundStats | None:
+               history_floor: int, kv_held: float, history_unique: int = 0
+               ) -> RoundStats | None:
         """Fold one step into the counters; returns its round record (None for a step that did
         nothing). ``history_floor``: the step's history that cannot be resident given the
         device budget, ``kv_held``: the fraction of device KV blocks holding history (both
-        taken before the step ran)."""
+        taken before the step ran); ``history_unique``: the distinct blocks' bytes of the
+        history the step moves over the link."""
         for s in plan.seqs:
             new = out.new_tokens.get(s.request_id)
             if s.sample and not s.prefill and new is not None:
@@ -115,6 +119,7 @@ class EngineStats:
             self.verify_steps += 1
             self.decode_history_bytes += m.history_bytes
             self.decode_history_floor_bytes += history_floor
+            self.decode_history_unique_bytes += history_unique
         if m.decode:
             self.decode_steps += 1
             self.decode_time_s += m.wall_s
@@ -175,6 +180,8 @@ class EngineStats:
         d["link_bytes_per_round"] = self.decode_history_bytes / steps if steps else 0.0
         d["link_bytes_floor_per_round"] = (self.decode_history_floor_bytes / steps
                                            if steps else 0.0)
+        d["link_bytes_unique_per_round"] = (self.decode_history_unique_bytes / steps
+                                            if steps else 0.0)
         d["device_kv_utilization"] = (self.kv_history_block_s / self.step_wall_s
                                       if self.step_wall_s else 0.0)
         return d
@@ -219,6 +226,11 @@ class EngineMetrics:
     promoted_blocks: int = 0
     # `specstream`: steps whose groups merged into one (decode rounds not link-bound)
     merged_group_steps: int = 0
+    # prefix sharing: references to host blocks two or more running requests share, those
+    # blocks, and the running requests' KV bytes with every shared block counted once
+    shared_block_refs: int = 0
+    shared_blocks: int = 0
+    unique_kv_bytes: int = 0
 
     @property
     def device_kv_usage(self) -> float:

@@ -290,7 +290,11 @@ class MetricsExporter:
                           [({"tier": t}, m["prefix_cache_blocks"][t]) for t in TIERS])
         for key, help in (("kv_device_used_bytes", "Device KV bytes in use."),
                           ("kv_host_used_bytes", "Host KV bytes in use."),
-                          ("kv_device_budget_bytes", "Device KV budget.")):
+                          ("kv_device_budget_bytes", "Device KV budget."),
+                          ("shared_block_refs", "References to KV blocks that two or more "
+                           "running requests share (prefix sharing)."),
+                          ("unique_kv_bytes", "Running requests' KV bytes, a shared block "
+                           "counted once.")):
             yield one("gauge", f"specstream:{key}", help, gauge[key])
         yield one("gauge", "specstream:generation_tokens_per_second",
                   f"Generated tokens/s over the last {RATE_WINDOW_S:g} s.",

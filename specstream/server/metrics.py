@@ -198,6 +198,8 @@ class ServerMetrics:
                     "kv_device_used_bytes": e.get("device_kv_used_bytes", 0),
                     "kv_host_used_bytes": e.get("host_kv_used_bytes", 0),
                     "kv_device_budget_bytes": e.get("device_kv_budget_bytes", 0),
+                    "shared_block_refs": e.get("shared_block_refs", 0),
+                    "unique_kv_bytes": e.get("unique_kv_bytes", 0),
                     "generation_tokens_per_second": tok_s,
                 },
                 "mean": {"link_utilisation": link_util, "engine_utilisation": engine_util,

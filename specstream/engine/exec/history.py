@@ -123,8 +123,9 @@ class HistorySource(ABC):
         """The waves of ``layer``, in the order their copies were issued."""
 
     @abstractmethod
-    def landed(self, wave: InFlight) -> Wave:
-        """The wave once its copy has landed (waiting for it if need be)."""
+    def landed(self, wave: InFlight) -> list[Wave]:
+        """The wave once its copy has landed (waiting for it if need be), as one part per
+        query bucket it serves (a shared chunk may serve several)."""
 
     def release(self, wave: InFlight) -> None:  # noqa: B027
         """The attention reading ``wave`` is queued: its staging may take the next copies."""
@@ -133,8 +134,7 @@ class HistorySource(ABC):
         """The waves of ``layer`` as they land, nothing done between them (each released once
         the consumer asks for the next)."""
         for wave in self.waves(layer):
-            landed = self.landed(wave)
-            yield landed
+            yield from self.landed(wave)
             self.release(wave)
 
     def end(self) -> None:  # noqa: B027
@@ -150,5 +150,5 @@ class NoHistory(HistorySource):
     def waves(self, layer: int) -> Iterator[InFlight]:
         return iter(())
 
-    def landed(self, wave: InFlight) -> Wave:
+    def landed(self, wave: InFlight) -> list[Wave]:
         raise AssertionError("no history, no waves")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from specstream.attention.waves import WaveShape
-from specstream.backends.base import TransferError, TransferHandle, to_device
+from specstream.backends.base import BatchTag, TransferError, TransferHandle, to_device
 from specstream.engine.contract import StepPlan
 from specstream.engine.exec.history import SOURCES, HistorySource, InFlight, Wave
 from specstream.engine.exec.restore_pieces import PieceRing
@@ -35,8 +35,10 @@ class LayerRestore(HistorySource):
     """Whole-layer restore with one layer of prefetch: two layers of the step's history on the
     device at a time, in the pool blocks the scheduler lent the step (``plan.restore_blocks``;
     every layer plane of a lent block is a slot for one block of history, so a request's layer
-    history may come as a few pieces, each a one-request wave, merged exactly). Where the lent
-    blocks hold less than two layers, a ``PieceRing`` restores the step in pieces."""
+    history may come as a few pieces, each a one-request wave, merged exactly; a block several
+    requests read, a shared prefix, is restored once and each of them attends that copy).
+    Where the lent blocks hold less than two layers, a ``PieceRing`` restores the step in
+    pieces (a shared block once per reader there)."""
 
     def __init__(self, store: KVStore, chunk_tokens: int, staging_buffers: int,
                  wave_requests: int = 8) -> None:
@@ -47,14 +49,19 @@ class LayerRestore(HistorySource):
 
     def begin(self, plan: StepPlan, buckets: list[list[int]], link_bps: float = 0.0) -> None:
         super().begin(plan, buckets, link_bps)
-        self.offsets: list[int] = []
-        total = 0
-        for s in plan.seqs:  # each request's slots: room for its largest layer
-            self.offsets.append(total)
-            total += s.max_link_blocks
-        self.total_blocks = total
+        # a slot for every distinct block any layer restores (the layer with the fewest blocks
+        # on the host restores the most): a block several requests read (a shared prefix) is
+        # restored once, and each of them attends that one copy
+        self.pos: dict[int, int] = {}
+        self.readers: dict[int, list[str]] = {}
+        for s in plan.seqs:
+            widest = s.host_layers.index(min(s.host_layers)) if s.host_layers else 0
+            for b in s.layer_link_blocks(widest):
+                self.pos.setdefault(b, len(self.pos))
+                self.readers.setdefault(b, []).append(s.request_id)
+        total = self.total_blocks = len(self.pos)
         self.slots = plan.restore_blocks
-        self.handles: dict[int, list[list[TransferHandle]]] = {}
+        self.handles: dict[int, list[TransferHandle]] = {}
         self.shapes: dict[tuple[int, int, int], WaveShape] = {}
         self.copies = 0
         self.ring = None
@@ -68,14 +75,15 @@ class LayerRestore(HistorySource):
     def _runs(self, layer: int, index: int) -> list[tuple[int, int, int, int]]:
         """Where request ``index``'s history of ``layer`` lives: runs of (first history block,
         length, layer plane, first pool block), consecutive pool blocks within one plane."""
-        n = len(self._blocks(layer, index))
-        m, slot0 = len(self.slots), (layer % 2) * self.total_blocks + self.offsets[index]
+        blocks = self._blocks(layer, index)
+        m, base = len(self.slots), (layer % 2) * self.total_blocks
         runs, t = [], 0
-        while t < n:
-            plane, col = divmod(slot0 + t, m)
+        while t < len(blocks):
+            at = self.pos[blocks[t]]
+            plane, col = divmod(base + at, m)
             length = 1
-            while (t + length < n and col + length < m
-                   and self.slots[col + length] == self.slots[col] + length):
+            while (t + length < len(blocks) and self.pos[blocks[t + length]] == at + length
+                   and col + length < m and self.slots[col + length] == self.slots[col] + length):
                 length += 1
             runs.append((t, length, plane, self.slots[col]))
             t += length
@@ -88,16 +96,29 @@ class LayerRestore(HistorySource):
     def _issue(self, layer: int) -> None:
         if layer >= self.store.cfg.num_layers or not self.total_blocks:
             return
-        per_seq = []
+        handles: list[TransferHandle] = []
+        issued: set[int] = set()  # blocks of the layer already on their way
         for i, s in enumerate(self.plan.seqs):
             blocks = self._blocks(layer, i)
-            handles = []
             for t, length, plane, first in self._runs(layer, i):
-                dst = self.store.device[plane, :, first : first + length]
-                handles += self.store.restore(layer, blocks[t : t + length], dst, s.request_id)
-                self.copies += 1
-            per_seq.append(handles)
-        self.handles[layer] = per_seq
+                # the run's blocks not issued yet, as consecutive pieces
+                u = t
+                while u < t + length:
+                    if blocks[u] in issued:
+                        u += 1
+                        continue
+                    v = u
+                    while v < t + length and blocks[v] not in issued:
+                        v += 1
+                    piece = blocks[u:v]
+                    issued.update(piece)
+                    readers = sorted({r for b in piece for r in self.readers[b]})
+                    tag = s.request_id if readers == [s.request_id] else BatchTag(readers)
+                    dst = self.store.device[plane, :, first + u - t : first + v - t]
+                    handles += self.store.restore(layer, piece, dst, tag)
+                    self.copies += 1
+                    u = v
+        self.handles[layer] = handles
 
     def _shape(self, layer: int, index: int, run: int, num_keys: int) -> WaveShape:
         key = (layer % 2, index, run)
@@ -106,11 +127,11 @@ class LayerRestore(HistorySource):
                 [self.where[index][1]], [num_keys], num_keys, None, self.store.device.device)
         return self.shapes[key]
 
-    def landed(self, wave: InFlight) -> Wave:
+    def landed(self, wave: InFlight) -> list[Wave]:
         if self.ring is not None:
             return self.ring.landed(wave)
         assert isinstance(wave, _Landed)
-        return wave.wave
+        return [wave.wave]
 
     def release(self, wave: InFlight) -> None:
         if self.ring is not None:
@@ -124,12 +145,11 @@ class LayerRestore(HistorySource):
             return
         # full restore of the layer before any attention on it; then prefetch the next one
         t0 = time.perf_counter()
-        for handles in self.handles.pop(layer):
-            for h in handles:
-                try:
-                    h.wait()
-                except TransferError as exc:
-                    self._fail(exc)
+        for h in self.handles.pop(layer):
+            try:
+                h.wait()
+            except TransferError as exc:
+                self._fail(exc)
         self.wait_s += time.perf_counter() - t0
         self._issue(layer + 1)
         self._promote(layer)

@@ -112,7 +112,7 @@ class PieceRing:
     def waves(self, layer: int) -> Iterator[InFlight]:
         return in_order(self.pending, layer)
 
-    def landed(self, wave: InFlight) -> Wave:
+    def landed(self, wave: InFlight) -> list[Wave]:
         assert isinstance(wave, _Piece) and wave is self.pending[0], "pieces land in order"
         source = self.source
         t0 = time.perf_counter()
@@ -137,7 +137,7 @@ class PieceRing:
             self.shapes[row, keys] = WaveShape.build([row], [keys], keys, None,
                                                      store.device.device)
         kv = kv.reshape(2, 1, keys, cfg.num_kv_heads, cfg.head_dim)
-        return bucket, kv[0], kv[1], self.shapes[row, keys]
+        return [(bucket, kv[0], kv[1], self.shapes[row, keys])]
 
     def release(self, wave: InFlight) -> None:
         assert wave is self.pending[0]

@@ -81,8 +81,8 @@ def run_round(
             for wave in history.waves(layer):  # cold history, in the order it was issued
                 if drafting.gap is not None:  # the other group drafts while it is in flight
                     drafting.gap(wave.done, history.link_busy_until)
-                bucket, hk, hv, shape = history.landed(wave)
-                atts[bucket].add(hk, hv, shape)  # every query position of every request
+                for bucket, hk, hv, shape in history.landed(wave):
+                    atts[bucket].add(hk, hv, shape)  # every query position of every request
                 history.release(wave)  # its staging slot takes the next copy
             for bucket, att in enumerate(atts):  # the resident tails, causally
                 for tail in kv.tail(layer, bucket, p.k, p.v):

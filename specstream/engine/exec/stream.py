@@ -21,12 +21,13 @@ from specstream.kvcache.storage import KVStore
 class _WaveCopy:
     """One chunk wave's copy, the same for every layer: which host blocks go where."""
 
-    bucket: int
-    index: torch.Tensor  # [n] host blocks, request after request
+    index: torch.Tensor  # [n] host blocks, region after region
     rows: torch.Tensor | None  # [n] slot rows they land in (None: 0 .. n-1)
-    shape: WaveShape
-    tag: BatchTag
-    num_requests: int
+    # per query bucket it serves: the bucket, its requests' shape, and the region of each of
+    # them ([W]; None: one region each, in order)
+    parts: list[tuple[int, WaveShape, torch.Tensor | None]]
+    tag: BatchTag  # every request the wave serves
+    num_regions: int  # staging regions: one per distinct chunk
     num_blocks: int  # the longest chunk of the wave: its keys are num_blocks x block_size
     # promoted blocks in the wave: their rows in the wave's regions, and their device blocks
     promote_rows: torch.Tensor | None = None
@@ -69,41 +70,78 @@ class ChunkStream(HistorySource):
 
     def _plan_waves(self, plan: StepPlan, buckets: list[list[int]], layer: int
                     ) -> list[_WaveCopy]:
-        copies = []
-        cb, bs, device = self.chunk_blocks, self.store.block_size, self.store.device.device
+        """The layer's chunk waves: the j-th chunks of a bucket's requests, up to
+        ``wave_requests`` distinct chunks a wave. Requests whose j-th chunk is the same blocks
+        (a shared prefix) share its region: it is copied once and all of them attend it,
+        across buckets too (those waves come first)."""
+        cb = self.chunk_blocks
         chunks_of = [s.layer_chunks(layer, cb) for s in plan.seqs]
+        depth = max((len(c) for c in chunks_of), default=0)
+        copies: list[_WaveCopy] = []
+        served: set[tuple[int, int]] = set()  # (request, j) a cross-bucket wave serves
+
+        def pack(j: int, holders: dict[tuple[int, ...], list[tuple[int, int]]]) -> None:
+            unique = list(holders.items())
+            for w0 in range(0, len(unique), self.wave_requests):
+                copies.append(self._wave(plan, buckets, chunks_of, j,
+                                         unique[w0 : w0 + self.wave_requests]))
+
+        for j in range(depth):  # chunks that requests of several buckets share
+            holders: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+            for b, members in enumerate(buckets):
+                for p, i in enumerate(members):
+                    if len(chunks_of[i]) > j:
+                        holders.setdefault(chunks_of[i][j], []).append((b, p))
+            cross = {c: h for c, h in holders.items() if len({b for b, _ in h}) > 1}
+            served.update((buckets[b][p], j) for h in cross.values() for b, p in h)
+            pack(j, cross)
         for b, members in enumerate(buckets):
-            depth = max((len(chunks_of[i]) for i in members), default=0)
-            for j in range(depth):
-                having = [p for p, i in enumerate(members) if len(chunks_of[i]) > j]
-                for w0 in range(0, len(having), self.wave_requests):
-                    part = having[w0 : w0 + self.wave_requests]
-                    chunks = [chunks_of[members[p]][j] for p in part]
-                    lens = [len(c) for c in chunks]
-                    ragged = any(n != cb for n in lens)
-                    rows = ([w * cb + t for w, n in enumerate(lens) for t in range(n)]
-                            if ragged else None)
-                    p_rows, p_dst = [], []  # promoted blocks: the request's newest
-                    for w, p in enumerate(part):
-                        s = plan.seqs[members[p]]
-                        if not s.promote:
-                            continue
-                        lo = sum(len(c) for c in chunks_of[members[p]]) - len(s.promote)
-                        for t in range(max(0, lo - j * cb), lens[w]):
-                            p_rows.append(w * cb + t)
-                            p_dst.append(s.promote[j * cb + t - lo])
-                    copies.append(_WaveCopy(
-                        b, torch.tensor([x for c in chunks for x in c], dtype=torch.long),
-                        None if rows is None else torch.tensor(rows, dtype=torch.long),
-                        # keys up to the longest chunk only: a last chunk shorter than the
-                        # region is not padded (padding costs attention time and a mask)
-                        WaveShape.build(None if part == list(range(len(members))) else part,
-                                        [n * bs for n in lens], max(lens) * bs, None, device),
-                        BatchTag(plan.seqs[members[p]].request_id for p in part), len(part),
-                        max(lens),
-                        to_device(p_rows, torch.long, device) if p_rows else None,
-                        to_device(p_dst, torch.long, device) if p_dst else None))
+            for j in range(max((len(chunks_of[i]) for i in members), default=0)):
+                holders = {}
+                for p, i in enumerate(members):
+                    if len(chunks_of[i]) > j and (i, j) not in served:
+                        holders.setdefault(chunks_of[i][j], []).append((b, p))
+                pack(j, holders)
         return copies
+
+    def _wave(self, plan: StepPlan, buckets: list[list[int]],
+              chunks_of: list[tuple[tuple[int, ...], ...]], j: int,
+              unique: list[tuple[tuple[int, ...], list[tuple[int, int]]]]) -> _WaveCopy:
+        """The wave of the distinct j-th chunks ``unique``: (chunk, the (bucket, position)
+        of each request whose j-th chunk it is), one region per chunk, one part per bucket."""
+        cb, bs, device = self.chunk_blocks, self.store.block_size, self.store.device.device
+        chunks = [c for c, _ in unique]
+        region_of = {bp: u for u, (_, holders) in enumerate(unique) for bp in holders}
+        lens = [len(c) for c in chunks]
+        ragged = any(n != cb for n in lens)
+        rows = [u * cb + t for u, n in enumerate(lens) for t in range(n)] if ragged else None
+        p_rows, p_dst, parts = [], [], []
+        for b in sorted({b for b, _ in region_of}):
+            members = buckets[b]
+            part = sorted(p for bb, p in region_of if bb == b)
+            for p in part:  # promoted blocks: the request's newest
+                s, u = plan.seqs[members[p]], region_of[b, p]
+                if not s.promote:
+                    continue
+                lo = sum(len(c) for c in chunks_of[members[p]]) - len(s.promote)
+                for t in range(max(0, lo - j * cb), lens[u]):
+                    p_rows.append(u * cb + t)
+                    p_dst.append(s.promote[j * cb + t - lo])
+            regions = [region_of[b, p] for p in part]
+            # keys up to the longest chunk only: a last chunk shorter than the region is not
+            # padded (padding costs attention time and a mask)
+            shape = WaveShape.build(None if part == list(range(len(members))) else part,
+                                    [lens[u] * bs for u in regions], max(lens) * bs, None,
+                                    device)
+            same = regions == list(range(len(chunks)))
+            parts.append((b, shape, None if same else to_device(regions, torch.long, device)))
+        return _WaveCopy(
+            torch.tensor([x for c in chunks for x in c], dtype=torch.long),
+            None if rows is None else torch.tensor(rows, dtype=torch.long), parts,
+            BatchTag(plan.seqs[buckets[b][p]].request_id for b, p in sorted(region_of)),
+            len(chunks), max(lens),
+            to_device(p_rows, torch.long, device) if p_rows else None,
+            to_device(p_dst, torch.long, device) if p_dst else None)
 
     def begin(self, plan: StepPlan, buckets: list[list[int]], link_bps: float = 0.0) -> None:
         super().begin(plan, buckets, link_bps)
@@ -134,12 +172,12 @@ class ChunkStream(HistorySource):
         cb = self.chunk_blocks
         while self.jobs:
             layer, copy = self.jobs[0]
-            first = self._regions(copy.num_requests)
+            first = self._regions(copy.num_regions)
             if first is None:
                 return
             self.jobs.popleft()
-            self.in_use.append((first, copy.num_requests))
-            self.head = first + copy.num_requests
+            self.in_use.append((first, copy.num_regions))
+            self.head = first + copy.num_regions
             dst = self.ring_rows[first * cb : self.head * cb]
             handle = self.store.restore_rows(layer, copy.index, dst, copy.tag, copy.rows)
             # when the link should be done with everything issued (from the rate estimate)
@@ -151,7 +189,7 @@ class ChunkStream(HistorySource):
     def waves(self, layer: int) -> Iterator[InFlight]:
         return in_order(self.pending, layer)
 
-    def landed(self, wave: InFlight) -> Wave:
+    def landed(self, wave: InFlight) -> list[Wave]:
         assert isinstance(wave, _Copy) and wave is self.pending[0], "waves land in order"
         self.pending.popleft()
         t0 = time.perf_counter()
@@ -161,7 +199,7 @@ class ChunkStream(HistorySource):
             self._fail(exc)
         self.wait_s += time.perf_counter() - t0
         copy, cfg = wave.copy, self.store.cfg
-        w, cb = copy.num_requests, self.chunk_blocks
+        w, cb = copy.num_regions, self.chunk_blocks
         buf = self.ring[:, wave.first * cb : (wave.first + w) * cb]  # [2, w * cb, bs, kv, D]
         if copy.promote_dst is not None and copy.promote_rows is not None:
             # queued before the regions are refilled (``release``)
@@ -169,7 +207,11 @@ class ChunkStream(HistorySource):
                 1, copy.promote_dst, buf.index_select(1, copy.promote_rows))
         kv = buf.reshape(2, w, cb * self.store.block_size, cfg.num_kv_heads, cfg.head_dim)
         kv = kv[:, :, : copy.num_blocks * self.store.block_size]
-        return copy.bucket, kv[0], kv[1], copy.shape
+        out = []
+        for bucket, shape, regions in copy.parts:  # a shared chunk: one copy for every sharer
+            part = kv if regions is None else kv.index_select(1, regions)
+            out.append((bucket, part[0], part[1], shape))
+        return out
 
     def release(self, wave: InFlight) -> None:
         self.in_use.popleft()  # regions are handed back in issue order
