@@ -25,6 +25,16 @@ cache counters over the run; for the cache's effect, run it against ``specstream
 
     python bench/serve_load.py --workload multiturn --concurrency 4 --turns 4 \
         --prompt-len 3584 --message-len 96 --output-len 64 --json multiturn.json
+
+``--workload shared-doc`` sends ``--num-prompts`` prompts that all open with one
+``--prompt-len``-token document, each followed by its own ``--own-len``-token question
+(``specstream bench --workload shared-doc``'s, specstream/bench/shared.py); ``shared-system``
+is multiturn with one context (a system prompt) opening every conversation. For prefix
+sharing's effect, run them against ``specstream serve`` and ``specstream serve
+--no-prefix-sharing``:
+
+    python bench/serve_load.py --workload shared-doc --concurrency 8 --num-requests 8 \
+        --num-prompts 8 --prompt-len 3584 --own-len 256 --output-len 64 --json doc.json
 """
 
 from __future__ import annotations
@@ -78,6 +88,11 @@ def build_prompts(args: argparse.Namespace) -> list[list[int]]:
     lengths = tuple(max(1, int(args.prompt_len * rng.uniform(1 - r, 1 + r)))
                     for _ in range(args.num_prompts))
     tok = tokenizer_for(args)
+    if args.workload == "shared-doc":
+        from specstream.bench.shared import SharedDocWorkload
+
+        doc = SharedDocWorkload(args.num_prompts, args.prompt_len, args.own_len, args.output_len)
+        return doc.prompts(tok, args.vocab_size, args.seed)
     try:
         from specstream.bench.workload import Workload
         from specstream.bench.workload import build_prompts as workload_prompts
@@ -187,7 +202,8 @@ def build_conversations(args: argparse.Namespace, tok: Any) -> list[Any]:
     from specstream.bench.multiturn import build_conversations as conversations
 
     w = MultiTurnWorkload(args.num_conversations, args.turns, args.prompt_len,
-                          args.message_len, args.output_len)
+                          args.message_len, args.output_len,
+                          shared_context=args.workload == "shared-system")
     return conversations(w, tok, args.vocab_size, args.seed)
 
 
@@ -250,9 +266,14 @@ async def server_metrics(client: httpx.AsyncClient) -> dict[str, float]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--workload", choices=["single", "multiturn"], default="single",
+    p.add_argument("--workload", choices=["single", "multiturn", "shared-doc", "shared-system"],
+                   default="single",
                    help="single: independent prompts; multiturn: conversations re-sending "
-                        "their history every turn (closed loop per conversation)")
+                        "their history every turn (closed loop per conversation); shared-doc: "
+                        "one document then each prompt's own question; shared-system: "
+                        "multiturn with one system prompt opening every conversation")
+    p.add_argument("--own-len", type=int, default=256,
+                   help="shared-doc: tokens of each prompt's own question")
     p.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
     p.add_argument("--message-len", type=int, default=96,
                    help="multiturn: tokens of each turn's user message")
@@ -285,7 +306,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the summary here ('-' for stdout)")
     args = p.parse_args(argv)
-    if args.workload == "multiturn":
+    if args.workload in ("multiturn", "shared-system"):
         if args.request_rate is not None or args.num_requests is not None:
             p.error("--workload multiturn is a closed loop of --num-conversations "
                     "conversations: use --concurrency, not --request-rate or --num-requests")
@@ -303,7 +324,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.workload == "multiturn":
+    if args.workload in ("multiturn", "shared-system"):
         tok = tokenizer_for(args)
         load = asyncio.run(run_multiturn(args, build_conversations(args, tok), tok))
     else:

@@ -104,7 +104,7 @@ def test_multiturn_bench_runs_every_mode_with_and_without_the_cache(
     assert report["workload"] == {"workload": "multiturn", "num_conversations": 3, "turns": 3,
                                   "context_len": 200, "message_len": 16, "output_len": 8,
                                   "first_prompt_len": 216, "last_prompt_len": 264,
-                                  "history_len": 272}
+                                  "history_len": 272, "unique_tokens": 3 * 272}
     assert report["settings"]["enable_prefix_caching"] is True
     assert report["settings"]["prefix_caching_runs"] == ["off", "on"]
     assert "--workload multiturn" in report["command"]

@@ -16,6 +16,8 @@ from specstream.bench.runner import (
     run_all,
     workload_kv_bytes,
 )
+from specstream.bench.shared import COLUMNS as SHARED_COLUMNS
+from specstream.bench.shared import add_shared_args, resolve_shared, run_shared_bench
 from specstream.bench.workload import Workload
 from specstream.config import detect_device
 
@@ -75,10 +77,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto",
                    help="weights and KV dtype (auto: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--modes", default=",".join(ALL_MODES), help="comma-separated modes")
-    p.add_argument("--workload", choices=["single", "multiturn"], default="single",
+    p.add_argument("--workload", choices=["single", "multiturn", "shared-doc", "shared-system"],
+                   default="single",
                    help="single: one long prompt per request; multiturn: conversations that "
                         "re-send their whole history plus a new message every turn, run with "
-                        "the prefix cache on and off in every mode")
+                        "the prefix cache on and off in every mode; shared-doc / "
+                        "shared-system: requests that share a long document / system prompt, "
+                        "every offloading mode with prefix sharing on and off (bench/shared.py)")
     p.add_argument("--context-len", type=int, default=None,
                    help=f"prompt tokens per request (default {WORKLOAD[0]}; "
                         f"{SWEEP_WORKLOAD[0]} with --sweep-residency; multiturn: the context "
@@ -91,6 +96,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"greedy output tokens per request (default {WORKLOAD[2]}; "
                         f"{SWEEP_WORKLOAD[2]} with --sweep-residency; multiturn: per turn, "
                         f"default {MULTITURN_WORKLOAD[2]})")
+    add_shared_args(p)
     p.add_argument("--turns", type=int, default=TURNS,
                    help="multiturn: turns per conversation")
     p.add_argument("--message-len", type=int, default=MESSAGE_LEN,
@@ -235,8 +241,10 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 def resolve_workload(args: argparse.Namespace) -> Workload:
     """The workload the flags ask for (unset sizes take the run's defaults); fills them in."""
-    multiturn = args.workload == "multiturn"
-    if args.quick:
+    multiturn = args.workload in ("multiturn", "shared-system")
+    if args.workload == "shared-doc":
+        resolve_shared(args)
+    elif args.quick:
         args.context_len, args.num_requests, args.output_len = (
             MULTITURN_QUICK if multiturn else QUICK_WORKLOAD)
     defaults = (SWEEP_WORKLOAD if args.sweep_residency else
@@ -265,9 +273,9 @@ def apply_fraction(s: BenchSettings, workload: Workload, fraction: float) -> dic
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.workload == "multiturn" and (args.sweep or args.sweep_residency or args.ladder
+    if args.workload != "single" and (args.sweep or args.sweep_residency or args.ladder
                                          or args.trace):
-        raise ValueError("--workload multiturn runs on its own: use it without --sweep, "
+        raise ValueError(f"--workload {args.workload} runs on its own: use it without --sweep, "
                          "--sweep-residency, --ladder and --trace")
     if args.sweep and (args.sweep_residency or args.device_kv_fraction is not None):
         raise ValueError("--sweep sets its own workloads: use it without --sweep-residency "
@@ -283,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
         from specstream.bench.ladder import run_ladder
 
         report = {
-            "command": "specstream bench " + " ".join(_argv(args)),
+            "command": "specstream bench " + " ".join(command_args(args)),
             "machine": {"platform": platform.platform(), "python": platform.python_version()},
             "workload": {"context_len": args.context_len, "num_requests": args.num_requests,
                          "output_len": args.output_len},
@@ -291,7 +299,14 @@ def run(args: argparse.Namespace) -> int:
             **run_ladder(s, workload),
         }
     elif args.workload == "multiturn":
+        from specstream.bench.multiturn import run_multiturn_bench
+
         report = run_multiturn_bench(args, s, modes)
+    elif args.workload.startswith("shared"):
+        report = {"command": "specstream bench " + " ".join(command_args(args)),
+                  **run_shared_bench(args, s, modes)}
+        print(format_rows([r for m in report["modes"].values() for r in m.values()],
+                          SHARED_COLUMNS))
     elif args.sweep:
         from specstream.bench.sweep import run_sweep
 
@@ -302,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
         fractions = tuple(float(f) for f in args.fractions.split(",") if f.strip())
         png = Path(args.json).with_suffix(".png") if args.json else Path("bench-residency.png")
         report = {
-            "command": "specstream bench " + " ".join(_argv(args)),
+            "command": "specstream bench " + " ".join(command_args(args)),
             "machine": {"platform": platform.platform(), "python": platform.python_version()},
             **run_residency_sweep(s, workload, modes, fractions, png),
         }
@@ -317,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
         from specstream.bench.calibration import calibration_from
 
         report = {
-            "command": "specstream bench " + " ".join(_argv(args)),
+            "command": "specstream bench " + " ".join(command_args(args)),
             "machine": {"platform": platform.platform(), "python": platform.python_version()},
             "workload": {"workload": "single", "context_len": args.context_len,
                          "num_requests": args.num_requests, "output_len": args.output_len},
@@ -333,44 +348,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_multiturn_bench(args: argparse.Namespace, s: BenchSettings,
-                        modes: tuple[str, ...]) -> dict[str, Any]:
-    """``--workload multiturn``: every mode with the prefix cache on and off; prints the
-    table and the ratios, returns the report."""
-    from specstream.bench.multiturn import (
-        CACHE_RUNS,
-        MultiTurnWorkload,
-        format_multiturn,
-        multiturn_ratios,
-        run_multiturn_all,
-    )
-
-    w = MultiTurnWorkload(args.num_requests, args.turns, args.context_len, args.message_len,
-                          args.output_len)
-    budget = ({} if args.device_kv_fraction is None
-              else apply_fraction(s, w.kv_workload(), args.device_kv_fraction))
-    results = run_multiturn_all(w, s, modes)
-    print(format_multiturn(results))
-    r = multiturn_ratios(results)
-    for k, v in r.items():
-        print(f"{k}: {v:.2f}")
-    return {
-        "command": "specstream bench " + " ".join(_argv(args)),
-        "machine": {"platform": platform.platform(), "python": platform.python_version()},
-        "workload": w.record(),
-        "settings": {**{k: v for k, v in vars(s).items() if k != "extra"}, **s.extra,
-                     "prefix_caching_runs": list(CACHE_RUNS if s.enable_prefix_caching
-                                                 else ("off",)), **budget},
-        "modes": results,
-        "ratios": r,
-    }
-
-
-def _argv(args: argparse.Namespace) -> list[str]:
+def command_args(args: argparse.Namespace) -> list[str]:
     out = [] if args.modes == ",".join(ALL_MODES) else ["--modes", args.modes]
     if args.workload != "single":
-        out += ["--workload", args.workload, "--turns", str(args.turns),
-                "--message-len", str(args.message_len)]
+        out += ["--workload", args.workload] + (
+            ["--own-len", str(args.own_len)] if args.workload == "shared-doc" else
+            ["--turns", str(args.turns), "--message-len", str(args.message_len)])
     for k in ("context_len", "num_requests", "output_len", "link_gbps", "device_kv_bytes",
               "chunk_tokens", "staging_buffers", "wave_requests", "residency"):
         if args.sweep_residency and k in ("device_kv_bytes", "residency"):

@@ -17,6 +17,8 @@ resident mode with the cache off is the reference every run's greedy outputs mus
 
 from __future__ import annotations
 
+import argparse
+import platform
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -40,6 +42,8 @@ class MultiTurnWorkload:
     context_len: int  # tokens of held-out text that open every conversation
     message_len: int  # tokens of each turn's user message
     output_len: int  # greedy output tokens of each turn (EOS ignored)
+    # every conversation opens with the same context (a shared system prompt; shared.py)
+    shared_context: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_conversations", "turns", "context_len", "message_len", "output_len"):
@@ -56,6 +60,12 @@ class MultiTurnWorkload:
         """A conversation's tokens at its end: the last turn's prompt and output."""
         return self.prompt_len(self.turns - 1) + self.output_len
 
+    @property
+    def unique_tokens(self) -> int:
+        """Tokens of KV at the end, a shared context counted once."""
+        total = self.num_conversations * self.history_len
+        return total - (self.num_conversations - 1) * self.context_len * self.shared_context
+
     def kv_workload(self) -> Workload:
         """What the device KV budget is sized on (``--device-kv-fraction``): the last turn's
         prompts and outputs, every conversation's at once."""
@@ -63,12 +73,13 @@ class MultiTurnWorkload:
                         self.output_len)
 
     def record(self) -> dict[str, Any]:
-        return {"workload": "multiturn", "num_conversations": self.num_conversations,
+        return {"workload": "shared-system" if self.shared_context else "multiturn",
+                "num_conversations": self.num_conversations,
                 "turns": self.turns, "context_len": self.context_len,
                 "message_len": self.message_len, "output_len": self.output_len,
                 "first_prompt_len": self.prompt_len(0),
                 "last_prompt_len": self.prompt_len(self.turns - 1),
-                "history_len": self.history_len}
+                "history_len": self.history_len, "unique_tokens": self.unique_tokens}
 
 
 @dataclass
@@ -101,6 +112,8 @@ def build_conversations(
     text (random token ids without a tokenizer)."""
     contexts = build_prompts(Workload((w.context_len,) * w.num_conversations, w.output_len),
                              tokenizer, vocab_size, seed=seed)
+    if w.shared_context:
+        contexts = [contexts[0]] * w.num_conversations
     n = w.num_conversations * w.turns
     if tokenizer is None:
         g = torch.Generator().manual_seed(seed + 1)
@@ -308,3 +321,30 @@ def format_multiturn(results: dict[str, dict[str, dict[str, Any]]]) -> str:
                          "outputs_match_cache_off": ("-" if r["outputs_match_cache_off"] is None
                                                      else r["outputs_match_cache_off"])})
     return format_rows(rows, COLUMNS)
+
+
+def run_multiturn_bench(args: argparse.Namespace, s: BenchSettings,
+                        modes: tuple[str, ...]) -> dict[str, Any]:
+    """``--workload multiturn``: every mode with the prefix cache on and off; prints the
+    table and the ratios, returns the report."""
+    from specstream.bench.cli import apply_fraction, command_args  # (cli imports this module)
+
+    w = MultiTurnWorkload(args.num_requests, args.turns, args.context_len, args.message_len,
+                          args.output_len)
+    budget = ({} if args.device_kv_fraction is None
+              else apply_fraction(s, w.kv_workload(), args.device_kv_fraction))
+    results = run_multiturn_all(w, s, modes)
+    print(format_multiturn(results))
+    r = multiturn_ratios(results)
+    for k, v in r.items():
+        print(f"{k}: {v:.2f}")
+    return {
+        "command": "specstream bench " + " ".join(command_args(args)),
+        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        "workload": w.record(),
+        "settings": {**{k: v for k, v in vars(s).items() if k != "extra"}, **s.extra,
+                     "prefix_caching_runs": list(CACHE_RUNS if s.enable_prefix_caching
+                                                 else ("off",)), **budget},
+        "modes": results,
+        "ratios": r,
+    }

@@ -202,6 +202,7 @@ def _measure(
     nrounds = m["rounds"] - base["rounds"]
     d = {k: m[k] - base[k] for k in ("verify_steps", "decode_history_bytes",
                                      "decode_history_floor_bytes", "kv_history_block_s",
+                                     "decode_history_unique_bytes",
                                      "step_wall_s")}
     result = {
         "mode": mode,
@@ -226,6 +227,9 @@ def _measure(
         # device budget; the fraction of device KV blocks holding history, time-averaged
         "link_bytes_per_round": _per(d["decode_history_bytes"], d["verify_steps"]),
         "link_bytes_floor_per_round": _per(d["decode_history_floor_bytes"], d["verify_steps"]),
+        # the distinct blocks of the history moved (a block its round's requests share: once)
+        "link_bytes_unique_per_round": _per(d["decode_history_unique_bytes"],
+                                            d["verify_steps"]),
         "device_kv_utilization": _per(d["kv_history_block_s"], d["step_wall_s"]),
         # the same history bytes per token decoded (each request's first token comes from its
         # prefill): unlike per round, it does not grow with the requests a round batches
