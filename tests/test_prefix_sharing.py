@@ -250,3 +250,24 @@ def test_one_copy_of_a_shared_chunk_serves_every_bucket_bit_for_bit():
         assert per_layer == sorted([(0, 1), (2, 3), (4,), (5, 6), (7, 8), (9,)])
     finally:
         backend.close()
+
+
+def test_the_host_takes_own_blocks_and_leaves_shared_chunks_on_the_link():
+    """Host attention's split, fraction 0.5: a block two requests of the step read crosses
+    the link once for both, where the host would attend it twice, so the host takes half of
+    each request's own blocks (the oldest of them) and the shared chunks stay as cut."""
+    from specstream.config import EngineConfig
+    from specstream.engine.contract import SeqWork
+    from specstream.engine.policy.feedback import Estimates
+    from specstream.engine.sched.host_split import MeasuredSplit, split_steps
+
+    shared = ((0, 1), (2,))
+    seqs = [SeqWork("a", (1,), 0, 0, False, True, 0, (), shared + ((3, 4), (5, 6))),
+            SeqWork("b", (1,), 0, 0, False, True, 0, (), shared + ((7, 8),)),
+            SeqWork("c", (1,), 0, 0, False, True, 0, (), ((9, 10), (11, 12)))]
+    config = EngineConfig(mode="stream", host_attention="auto", host_attention_fraction=0.5)
+    out, share = split_steps(seqs, MeasuredSplit(config, 1), Estimates(), 2, 2)
+    assert [s.host_blocks for s in out] == [(3, 4), (7,), (9, 10)]
+    assert [s.restore_chunks for s in out] == [shared + ((5, 6),), shared + ((8,),),
+                                               ((11, 12),)]
+    assert share == pytest.approx((2 + 1 + 2) / 16)  # of every cold block of the step

@@ -72,12 +72,15 @@ class SeqWork:
         return spilled + tuple(b for c in self.restore_chunks for b in c)
 
     def layer_chunks(self, layer: int, per_chunk: int) -> tuple[tuple[int, ...], ...]:
-        """The blocks of ``layer`` that cross the link, in chunks of ``per_chunk`` blocks
-        (every chunk full but the last, as restore_chunks)."""
+        """The blocks of ``layer`` that cross the link, in chunks of at most ``per_chunk``
+        blocks: those it spills from the host's share, then ``restore_chunks``."""
         if not self.host_layers or self.host_layers[layer] == len(self.host_blocks):
             return self.restore_chunks
-        blocks = self.layer_link_blocks(layer)
-        return tuple(blocks[i : i + per_chunk] for i in range(0, len(blocks), per_chunk))
+        # the blocks this layer spills from the host's share, then the restore chunks as cut
+        # (a shared run's chunks stay the same blocks for every sharer)
+        spilled = self.host_blocks[self.host_layers[layer] :]
+        return tuple(spilled[i : i + per_chunk]
+                     for i in range(0, len(spilled), per_chunk)) + self.restore_chunks
 
     @property
     def max_link_blocks(self) -> int:

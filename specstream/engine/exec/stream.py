@@ -123,10 +123,12 @@ class ChunkStream(HistorySource):
                 s, u = plan.seqs[members[p]], region_of[b, p]
                 if not s.promote:
                     continue
-                lo = sum(len(c) for c in chunks_of[members[p]]) - len(s.promote)
-                for t in range(max(0, lo - j * cb), lens[u]):
+                mine = chunks_of[members[p]]
+                lo = sum(map(len, mine)) - len(s.promote)
+                start = sum(map(len, mine[:j]))  # chunks may be short before the last
+                for t in range(max(0, lo - start), lens[u]):
                     p_rows.append(u * cb + t)
-                    p_dst.append(s.promote[j * cb + t - lo])
+                    p_dst.append(s.promote[start + t - lo])
             regions = [region_of[b, p] for p in part]
             # keys up to the longest chunk only: a last chunk shorter than the region is not
             # padded (padding costs attention time and a mask)

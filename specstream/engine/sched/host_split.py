@@ -18,6 +18,7 @@ shape, so the tree size and the split are chosen together.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Protocol
@@ -107,20 +108,36 @@ def split_steps(seqs: list[SeqWork], splitter: HostSplitter, est: Estimates, num
     """Each request's cold blocks: the oldest ones the splitter gives the host
     (``host_blocks``, per layer ``host_layers``), the rest over the link
     (``restore_chunks``, re-cut into chunks of ``per_chunk`` blocks); and the host's share of
-    the step's cold blocks (None: the step has none)."""
+    the step's cold blocks (None: the step has none). Blocks several of the step's requests
+    read (a shared prefix: its leading restore chunks) stay on the link, which carries them
+    once for all of them, where the host would attend them once per request: the host takes
+    from each request's own blocks only."""
     cold = [[b for c in s.restore_chunks for b in c] for s in seqs]
     total = sum(map(len, cold))
     if not total:
         return seqs, None
-    counts = splitter.counts(seqs, [len(c) for c in cold], est)
+    readers = Counter(b for c in cold for b in c)
+    lead = [_shared_lead(s.restore_chunks, readers) for s in seqs]
+    own = [blocks[sum(map(len, s.restore_chunks[:k])) :]
+           for s, blocks, k in zip(seqs, cold, lead, strict=True)]
+    counts = splitter.counts(seqs, [len(o) for o in own], est)
     out = []
-    for s, blocks, x in zip(seqs, cold, counts, strict=True):
+    for s, blocks, k, x in zip(seqs, own, lead, counts, strict=True):
         n_by_layer = splitter.by_layer(x, num_layers)
         n = max(n_by_layer)
         if n:
             s = replace(s, host_blocks=tuple(blocks[:n]),
                         host_layers=n_by_layer if min(n_by_layer) < n else (),
-                        restore_chunks=tuple(tuple(blocks[i : i + per_chunk])
-                                             for i in range(n, len(blocks), per_chunk)))
+                        restore_chunks=s.restore_chunks[:k] + tuple(
+                            tuple(blocks[i : i + per_chunk])
+                            for i in range(n, len(blocks), per_chunk)))
         out.append(s)
     return out, sum(counts) / total
+
+
+def _shared_lead(chunks: tuple[tuple[int, ...], ...], readers: Counter[int]) -> int:
+    """The leading chunks whose every block another request of the step reads too."""
+    k = 0
+    while k < len(chunks) and all(readers[b] > 1 for b in chunks[k]):
+        k += 1
+    return k
