@@ -38,6 +38,9 @@ LAYOUTS = {
     "scattered": [(40, 3, 17, 9, 62)],
     "mixed": [(10, 11, 12, 30, 31, 2, 50, 51, 52, 53)],
     "requests": [tuple(range(20, 26)), (1, 7, 3), (33, 34, 35, 36, 60), (44,)],
+    # a shared prefix (20..23) attended once for three requests, one of them no further
+    "shared": [(20, 21, 22, 23, 5), (20, 21, 22, 23), (9,), (20, 21, 22, 23, 40, 41), (20, 6)],
+    "shared-run": [(20, 21, 22, 23, 5), (20, 21, 22, 23), (9,), (20, 21, 22, 23, 40, 41)],
 }
 
 
@@ -55,6 +58,15 @@ def test_matches_reference_fp32(layout: str, num_q: int, kv: int, group: int) ->
     assert out.shape == q.shape and lse.shape == q.shape[:3]
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_a_shared_prefix_is_read_once_for_all_its_requests() -> None:
+    from specstream.attention.host_kernel import blocks_read, shared_prefixes
+
+    blocks = LAYOUTS["shared"]
+    assert shared_prefixes(blocks) == [([0, 1, 3, 4], (20,))]  # request 4 shares block 20 only
+    assert shared_prefixes(blocks[:4]) == [([0, 1, 3], (20, 21, 22, 23))]
+    assert blocks_read(blocks[:4]) == 4 + 1 + 1 + 2
 
 
 def test_runs_in_place_are_merged_exactly(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -252,10 +252,11 @@ def test_one_copy_of_a_shared_chunk_serves_every_bucket_bit_for_bit():
         backend.close()
 
 
-def test_the_host_takes_own_blocks_and_leaves_shared_chunks_on_the_link():
-    """Host attention's split, fraction 0.5: a block two requests of the step read crosses
-    the link once for both, where the host would attend it twice, so the host takes half of
-    each request's own blocks (the oldest of them) and the shared chunks stay as cut."""
+def test_the_host_split_treats_a_shared_run_as_one_request():
+    """Host attention's split, fraction 0.5: a run of blocks two requests of the step start
+    with is one request to the splitter (the link carries it once, the host attends it once
+    with both requests' queries): whole blocks of it go to the host for both sharers, the rest
+    stays in the same chunks for both; each request's own blocks split as before."""
     from specstream.config import EngineConfig
     from specstream.engine.contract import SeqWork
     from specstream.engine.policy.feedback import Estimates
@@ -267,7 +268,8 @@ def test_the_host_takes_own_blocks_and_leaves_shared_chunks_on_the_link():
             SeqWork("c", (1,), 0, 0, False, True, 0, (), ((9, 10), (11, 12)))]
     config = EngineConfig(mode="stream", host_attention="auto", host_attention_fraction=0.5)
     out, share = split_steps(seqs, MeasuredSplit(config, 1), Estimates(), 2, 2)
-    assert [s.host_blocks for s in out] == [(3, 4), (7,), (9, 10)]
-    assert [s.restore_chunks for s in out] == [shared + ((5, 6),), shared + ((8,),),
-                                               ((11, 12),)]
-    assert share == pytest.approx((2 + 1 + 2) / 16)  # of every cold block of the step
+    # the shared run: int(0.5 x 3) = 1 block on the host for both
+    assert [s.host_blocks for s in out] == [(0, 3, 4), (0, 7), (9, 10)]
+    assert [s.restore_chunks for s in out] == [((1, 2), (5, 6)), ((1, 2), (8,)), ((11, 12),)]
+    assert all(not s.host_layers for s in out)  # whole blocks, every layer alike
+    assert share == pytest.approx((2 + 1 + 2 + 2 * 1) / 16)  # of every cold block of the step

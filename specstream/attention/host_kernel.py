@@ -64,21 +64,66 @@ def host_partial(
 ) -> tuple[Tensor, Tensor]:  # out [W, P, H, D] fp32, lse [W, P, H] fp32
     """Attention of each request's queries over all keys of its host ``blocks`` of ``layer``,
     as a partial: output normalised within those keys and the log-sum-exp of the scaled scores.
-    A request with no blocks gets output 0 and lse -inf (it weighs nothing in a merge)."""
+    A request with no blocks gets output 0 and lse -inf (it weighs nothing in a merge).
+
+    Requests whose blocks start with the same run (a shared prefix, ``shared_prefixes``) attend
+    it in one call, their query rows stacked: its K and V are read once for all of them; the
+    rest of each request's blocks is its own call, merged exactly."""
     w, p, h, d = q.shape
     kv = host.shape[4]
     assert host.shape[3] == block_size and host.shape[5] == d and h % kv == 0
     g = h // kv
     # Fold the GQA group into query rows: [W, kv, g * P, D], rows ordered (g, p).
     qf = q.float().view(w, p, kv, g, d).permute(0, 2, 3, 1, 4).reshape(w, kv, g * p, d)
+    shared: dict[int, tuple[Tensor, Tensor, int]] = {}  # row -> its prefix's partial, length
+    for rows, prefix in shared_prefixes(blocks):
+        stacked = qf[rows].permute(1, 0, 2, 3).reshape(1, kv, len(rows) * g * p, d)
+        out, lse = _request(host[layer], stacked, prefix, scale)
+        out = out.view(kv, len(rows), g * p, d).transpose(0, 1)
+        lse = lse.view(kv, len(rows), g * p).transpose(0, 1)
+        for i, r in enumerate(rows):
+            shared[r] = (out[i : i + 1], lse[i : i + 1], len(prefix))
     outs, lses = [], []
     for r in range(w):
-        out, lse = _request(host[layer], qf[r:r + 1], blocks[r], scale)
+        head = shared.get(r)
+        rest = blocks[r][head[2] :] if head is not None else blocks[r]
+        if head is not None and not rest:
+            out, lse = head[0], head[1]
+        else:
+            out, lse = _request(host[layer], qf[r : r + 1], rest, scale)
+            if head is not None:
+                out, lse = merge_all([head[0], out], [head[1], lse])
         outs.append(out)
         lses.append(lse)
     out = torch.cat(outs).view(w, kv, g, p, d).permute(0, 3, 1, 2, 4).reshape(w, p, h, d)
     lse = torch.cat(lses).view(w, kv, g, p).permute(0, 3, 1, 2).reshape(w, p, h)
     return out, lse
+
+
+def shared_prefixes(blocks: list[tuple[int, ...]]) -> list[tuple[list[int], tuple[int, ...]]]:
+    """(rows, run): requests (two or more) whose blocks start with the same run of blocks, the
+    longest they all start with."""
+    by_first: dict[int, list[int]] = {}
+    for r, ids in enumerate(blocks):
+        if ids:
+            by_first.setdefault(ids[0], []).append(r)
+    out = []
+    for rows in by_first.values():
+        if len(rows) < 2:
+            continue
+        n = min(len(blocks[r]) for r in rows)
+        first = blocks[rows[0]]
+        common = 1
+        while common < n and all(blocks[r][common] == first[common] for r in rows):
+            common += 1
+        out.append((rows, first[:common]))
+    return out
+
+
+def blocks_read(blocks: list[tuple[int, ...]]) -> int:
+    """Host blocks ``host_partial`` reads for ``blocks`` (a shared prefix once)."""
+    saved = sum((len(rows) - 1) * len(run) for rows, run in shared_prefixes(blocks))
+    return sum(map(len, blocks)) - saved
 
 
 def _request(kv_layer: Tensor, q: Tensor, ids: tuple[int, ...],

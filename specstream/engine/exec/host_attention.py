@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from torch import Tensor
 
-from specstream.attention.host_kernel import host_partial
+from specstream.attention.host_kernel import blocks_read, host_partial
 from specstream.kvcache.storage import KVStore
 
 # one job: (query positions per request, seconds, KV bytes)
@@ -124,7 +124,8 @@ class HostAttention:
             assert host is not None
             out, lse = host_partial(host, layer, q, blocks, self.store.block_size, scale)
             # K and V of every block attended, at the host tier's element size
-            nbytes = 2 * sum(map(len, blocks)) * host[0, 0, 0].numel() * host.element_size()
+            # (a prefix several requests share is read once)
+            nbytes = 2 * blocks_read(blocks) * host[0, 0, 0].numel() * host.element_size()
             if self.emulate_bps:
                 with self._lock:
                     self._free_at = max(self._free_at, t0) + nbytes / self.emulate_bps

@@ -108,31 +108,53 @@ def split_steps(seqs: list[SeqWork], splitter: HostSplitter, est: Estimates, num
     """Each request's cold blocks: the oldest ones the splitter gives the host
     (``host_blocks``, per layer ``host_layers``), the rest over the link
     (``restore_chunks``, re-cut into chunks of ``per_chunk`` blocks); and the host's share of
-    the step's cold blocks (None: the step has none). Blocks several of the step's requests
-    read (a shared prefix: its leading restore chunks) stay on the link, which carries them
-    once for all of them, where the host would attend them once per request: the host takes
-    from each request's own blocks only."""
+    the step's cold blocks (None: the step has none).
+
+    A run of blocks that several of the step's requests start with (a shared prefix: their
+    leading restore chunks, the same blocks) is one request to the splitter, with all its
+    sharers' query positions: the link carries it once for all of them, and the host attends
+    it once with all their queries (``host_kernel``). The host's part of it is whole blocks,
+    the same in every layer and for every sharer; the rest of it stays in the same chunks
+    for all of them."""
     cold = [[b for c in s.restore_chunks for b in c] for s in seqs]
     total = sum(map(len, cold))
     if not total:
         return seqs, None
     readers = Counter(b for c in cold for b in c)
     lead = [_shared_lead(s.restore_chunks, readers) for s in seqs]
+    runs: dict[tuple[tuple[int, ...], ...], list[int]] = {}  # a shared run: its sharers
+    for i, (s, k) in enumerate(zip(seqs, lead, strict=True)):
+        if k:
+            runs.setdefault(s.restore_chunks[:k], []).append(i)
     own = [blocks[sum(map(len, s.restore_chunks[:k])) :]
            for s, blocks, k in zip(seqs, cold, lead, strict=True)]
-    counts = splitter.counts(seqs, [len(o) for o in own], est)
+    group = [replace(seqs[ids[0]], token_ids=tuple(t for i in ids for t in seqs[i].token_ids))
+             for ids in runs.values()]
+    counts = splitter.counts(seqs + group, [len(o) for o in own]
+                             + [sum(map(len, run)) for run in runs], est)
+    taken = {run: int(x) for run, x in zip(runs, counts[len(seqs) :], strict=True)}
     out = []
-    for s, blocks, k, x in zip(seqs, own, lead, counts, strict=True):
+    for s, blocks, k, x in zip(seqs, own, lead, counts[: len(seqs)], strict=True):
+        run = s.restore_chunks[:k]
+        shared = [b for c in run for b in c]
+        m = taken.get(run, 0)  # whole blocks of the shared run on the host
         n_by_layer = splitter.by_layer(x, num_layers)
         n = max(n_by_layer)
-        if n:
-            s = replace(s, host_blocks=tuple(blocks[:n]),
-                        host_layers=n_by_layer if min(n_by_layer) < n else (),
-                        restore_chunks=s.restore_chunks[:k] + tuple(
-                            tuple(blocks[i : i + per_chunk])
-                            for i in range(n, len(blocks), per_chunk)))
+        if n or m:
+            left = shared[m:]
+            s = replace(s, host_blocks=tuple(shared[:m]) + tuple(blocks[:n]),
+                        host_layers=(tuple(m + c for c in n_by_layer)
+                                     if min(n_by_layer) < n else ()),
+                        restore_chunks=(run if not m else _chunks(left, per_chunk))
+                        + _chunks(blocks[n:], per_chunk))
         out.append(s)
-    return out, sum(counts) / total
+    host = sum(counts[: len(seqs)]) + sum(taken[s.restore_chunks[:k]] for s, k in
+                                          zip(seqs, lead, strict=True) if k)
+    return out, host / total
+
+
+def _chunks(blocks: Sequence[int], per_chunk: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(blocks[i : i + per_chunk]) for i in range(0, len(blocks), per_chunk))
 
 
 def _shared_lead(chunks: tuple[tuple[int, ...], ...], readers: Counter[int]) -> int:
