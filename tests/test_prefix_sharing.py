@@ -272,4 +272,22 @@ def test_the_host_split_treats_a_shared_run_as_one_request():
     assert [s.host_blocks for s in out] == [(0, 3, 4), (0, 7), (9, 10)]
     assert [s.restore_chunks for s in out] == [((1, 2), (5, 6)), ((1, 2), (8,)), ((11, 12),)]
     assert all(not s.host_layers for s in out)  # whole blocks, every layer alike
+    assert [s.shared_chunks for s in out] == [1, 1, 0]
     assert share == pytest.approx((2 + 1 + 2 + 2 * 1) / 16)  # of every cold block of the step
+
+
+def test_a_layer_that_spills_keeps_the_shared_chunks_as_cut():
+    """A layer that streams some of the host's share: without a shared run its link blocks
+    are re-cut into full chunks (as before sharing); with one, the shared chunks stay the same
+    blocks for every sharer and only the rest is re-cut."""
+    from specstream.engine.contract import SeqWork
+
+    base = SeqWork("a", (1,), 0, 0, False, True, 0, (), ((0, 1), (2,), (5, 6)),
+                   host_blocks=(3, 4), host_layers=(2, 1))
+    assert base.layer_chunks(0, 2) == ((0, 1), (2,), (5, 6))  # the host takes both
+    assert base.layer_chunks(1, 2) == ((4, 0), (1, 2), (5, 6))  # re-cut from the spill
+    shared = SeqWork("a", (1,), 0, 0, False, True, 0, (), ((0, 1), (2,), (5, 6)),
+                     host_blocks=(3, 4), host_layers=(2, 1), shared_chunks=2)
+    assert shared.layer_chunks(1, 2) == ((0, 1), (2,), (4, 5), (6,))
+    assert [b for c in shared.layer_chunks(1, 2) for b in c] == sorted(
+        shared.layer_link_blocks(1))

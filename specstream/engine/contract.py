@@ -52,6 +52,9 @@ class SeqWork:
     # Per layer, how many of host_blocks that layer attends on the host (empty: all of them
     # in every layer); a layer's others cross the link before restore_chunks (layer_chunks).
     host_layers: tuple[int, ...] = ()
+    # The leading restore_chunks that other requests of the step read too (a shared prefix,
+    # cut the same for all of them: sched/host_split.py); layer_chunks keeps them as they are.
+    shared_chunks: int = 0
     # Logits processing (SamplingParams.processes_logits; sampling.process_logits): tokens
     # generated before the step's first sampled position, and, with a penalty, the prompt and
     # those tokens (empty otherwise).
@@ -72,15 +75,23 @@ class SeqWork:
         return spilled + tuple(b for c in self.restore_chunks for b in c)
 
     def layer_chunks(self, layer: int, per_chunk: int) -> tuple[tuple[int, ...], ...]:
-        """The blocks of ``layer`` that cross the link, in chunks of at most ``per_chunk``
-        blocks: those it spills from the host's share, then ``restore_chunks``."""
+        """The blocks of ``layer`` that cross the link, in chunks of ``per_chunk`` blocks
+        (every chunk full but the last, as restore_chunks; a shared run's chunks first, as
+        cut)."""
         if not self.host_layers or self.host_layers[layer] == len(self.host_blocks):
             return self.restore_chunks
-        # the blocks this layer spills from the host's share, then the restore chunks as cut
-        # (a shared run's chunks stay the same blocks for every sharer)
-        spilled = self.host_blocks[self.host_layers[layer] :]
-        return tuple(spilled[i : i + per_chunk]
-                     for i in range(0, len(spilled), per_chunk)) + self.restore_chunks
+        # a shared run's chunks as cut (the same blocks for every sharer), then the blocks this
+        # layer spills from the host's share and the rest, re-cut
+        k = self.shared_chunks
+        rest = self.host_blocks[self.host_layers[layer] :] + tuple(
+            b for c in self.restore_chunks[k:] for b in c)
+        return self.restore_chunks[:k] + tuple(rest[i : i + per_chunk]
+                                               for i in range(0, len(rest), per_chunk))
+
+    def layer_link_count(self, layer: int) -> int:
+        """How many blocks ``layer`` moves over the link (``len(layer_link_blocks(layer))``)."""
+        spilled = len(self.host_blocks) - self.host_layers[layer] if self.host_layers else 0
+        return spilled + sum(map(len, self.restore_chunks))
 
     @property
     def max_link_blocks(self) -> int:

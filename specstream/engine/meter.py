@@ -42,13 +42,17 @@ class StepMeter:
         capacity = num_blocks * bs
         # unique KV: a block several requests share (prefix sharing) is held and moved once
         total -= kv.duplicate_blocks() * bs
-        history = sum(s.start_pos for s in plan.seqs) - bs * kv.duplicate_blocks(
-            [s.request_id for s in plan.seqs if s.request_id in kv.seqs])
+        history = sum(s.start_pos for s in plan.seqs)
+        layers = self.num_layers
+        if dup := kv.duplicate_blocks([s.request_id for s in plan.seqs if s.request_id in kv.seqs]):
+            history -= bs * dup
+            links = sum(len({b for s in plan.seqs for b in s.layer_link_blocks(layer)})
+                        for layer in range(layers))
+        else:  # nothing shared: every block a request reads is its own
+            links = sum(s.layer_link_count(layer) for s in plan.seqs for layer in range(layers))
+        unique = links * (self.store.block_bytes // layers)
         share = max(0.0, 1.0 - capacity / total) if total else 0.0
         floor = int(history * share) * self.store.block_bytes // bs
-        layers = self.num_layers
-        unique = sum(len({b for s in plan.seqs for b in s.layer_link_blocks(layer)})
-                     for layer in range(layers)) * (self.store.block_bytes // layers)
         return floor, held / num_blocks if num_blocks else 0.0, unique
 
     def measure(self, plan: StepPlan, result: StepOutput) -> StepMeasures:

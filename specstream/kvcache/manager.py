@@ -248,8 +248,12 @@ class KVManager:
     def duplicate_blocks(self, rids: list[str] | None = None) -> int:
         """References beyond the first to the host blocks that the requests ``rids`` (None:
         all) share: the blocks they would hold, or move, again without sharing."""
+        if not self.sharing or self.cache is None or not self.cache.extra_pins["host"]:
+            return 0  # nothing is shared now (the common case, counted as pins change)
+        if rids is None:
+            return self.cache.extra_pins["host"]
         refs: dict[int, int] = {}
-        for rid in self.seqs if rids is None else rids:
+        for rid in rids:
             seq = self.seqs.get(rid)
             for e in seq.refs.values() if seq is not None else ():
                 refs[e.key] = refs.get(e.key, 0) + 1
@@ -265,6 +269,8 @@ class KVManager:
 
     def shared_block_refs(self) -> tuple[int, int]:
         """(references to host blocks two or more running requests share, those blocks)."""
+        if not self.duplicate_blocks():
+            return 0, 0
         refs: dict[int, int] = {}
         for seq in self.seqs.values():
             for e in seq.refs.values():

@@ -64,6 +64,8 @@ class PrefixCache:
     hits_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     # per tier, keys of entries whose block there a planned copy reads
     pinned: dict[str, set[int]] = field(default_factory=lambda: {t: set() for t in TIERS})
+    # per tier, pins beyond each entry's first (0: no block is read by two at once)
+    extra_pins: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
 
     # ---- keys ---------------------------------------------------------------------------
     def chain(self, tokens: Sequence[int], num_blocks: int) -> list[tuple[int, int | None,
@@ -160,14 +162,17 @@ class PrefixCache:
 
     # ---- pins and eviction --------------------------------------------------------------
     def pin(self, pins: Sequence[tuple[Entry, str]]) -> None:
-        """(entry, tier): a planned copy reads the entry's block of that tier."""
+        """(entry, tier): a planned copy or a sharing request reads the entry's block of that
+        tier."""
         for e, tier in pins:
+            self.extra_pins[tier] += e.pins[tier] > 0
             e.pins[tier] += 1
             self.pinned[tier].add(e.key)
 
     def unpin(self, pins: Sequence[tuple[Entry, str]]) -> None:
         for e, tier in pins:
             e.pins[tier] -= 1
+            self.extra_pins[tier] -= e.pins[tier] > 0
             if not e.pins[tier]:
                 self.pinned[tier].discard(e.key)
 

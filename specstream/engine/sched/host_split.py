@@ -141,12 +141,14 @@ def split_steps(seqs: list[SeqWork], splitter: HostSplitter, est: Estimates, num
         n_by_layer = splitter.by_layer(x, num_layers)
         n = max(n_by_layer)
         if n or m:
-            left = shared[m:]
+            left = run if not m else _chunks(shared[m:], per_chunk)
             s = replace(s, host_blocks=tuple(shared[:m]) + tuple(blocks[:n]),
                         host_layers=(tuple(m + c for c in n_by_layer)
                                      if min(n_by_layer) < n else ()),
-                        restore_chunks=(run if not m else _chunks(left, per_chunk))
-                        + _chunks(blocks[n:], per_chunk))
+                        restore_chunks=left + _chunks(blocks[n:], per_chunk),
+                        shared_chunks=len(left))
+        elif k:
+            s = replace(s, shared_chunks=k)
         out.append(s)
     host = sum(counts[: len(seqs)]) + sum(taken[s.restore_chunks[:k]] for s, k in
                                           zip(seqs, lead, strict=True) if k)

@@ -136,8 +136,10 @@ class Scheduler:
         # `restore` modes: pool blocks for two layers of the step's history (or pieces of a
         # layer), lent for the step (the admitted requests' reservations keep them free)
         # (a block several of them restore, a shared prefix, once: exec/restore.py)
-        history = sum(s.max_link_blocks - sum(map(len, s.restore_chunks)) for s in seqs) + len(
-            {b for s in seqs for c in s.restore_chunks for b in c})
+        history = sum(s.max_link_blocks for s in seqs)
+        if self.kv.duplicate_blocks():
+            history -= sum(map(len, (c for s in seqs for c in s.restore_chunks))) - len(
+                {b for s in seqs for c in s.restore_chunks for b in c})
         lend = self.admission.lend(history, self.residency.restore_room)
         lent = tuple(self.kv.device.allocate(lend)) if lend else ()
         seqs = self.residency.promote(seqs, self.running)
