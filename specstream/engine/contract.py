@@ -88,11 +88,6 @@ class SeqWork:
         return self.restore_chunks[:k] + tuple(rest[i : i + per_chunk]
                                                for i in range(0, len(rest), per_chunk))
 
-    def layer_link_count(self, layer: int) -> int:
-        """How many blocks ``layer`` moves over the link (``len(layer_link_blocks(layer))``)."""
-        spilled = len(self.host_blocks) - self.host_layers[layer] if self.host_layers else 0
-        return spilled + sum(map(len, self.restore_chunks))
-
     @property
     def max_link_blocks(self) -> int:
         """The most blocks any one layer moves over the link."""

@@ -49,7 +49,9 @@ class StepMeter:
             links = sum(len({b for s in plan.seqs for b in s.layer_link_blocks(layer)})
                         for layer in range(layers))
         else:  # nothing shared: every block a request reads is its own
-            links = sum(s.layer_link_count(layer) for s in plan.seqs for layer in range(layers))
+            links = sum(layers * sum(map(len, s.restore_chunks))
+                        + (layers * len(s.host_blocks) - sum(s.host_layers) if s.host_layers
+                           else 0) for s in plan.seqs)
         unique = links * (self.store.block_bytes // layers)
         share = max(0.0, 1.0 - capacity / total) if total else 0.0
         floor = int(history * share) * self.store.block_bytes // bs

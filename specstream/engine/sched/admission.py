@@ -144,17 +144,21 @@ class Admission:
         copies: list[BlockCopy] = []
         while waiting and len(running) < self.config.max_num_seqs:
             req = waiting[0]
+            r = self.reservation(req)
+            limit = self.kv.device.num_blocks - self.scratch_blocks
+            device = (self.reserved_device + r.device_blocks
+                      + self._restore_held(self.reserved_restore + r.restore_blocks))
+            if device > limit:
+                break  # (before the prefix lookup: a waiting prompt is not hashed every step)
             adopts = not req.num_computed_tokens and req.params.prompt_logprobs is None
             hits = self.kv.prefix_hits(req.prompt_token_ids) if adopts else []
             if adopts and self._awaits_sharer(req, len(hits), running):
                 break
-            r = self.reservation(req, len(hits))
-            limit = self.kv.device.num_blocks - self.scratch_blocks
-            device = (self.reserved_device + r.device_blocks
-                      + self._restore_held(self.reserved_restore + r.restore_blocks))
+            if hits:
+                r = self.reservation(req, len(hits))
             host = (self.reserved_host + self.kv.unreserved_shared() + r.host_blocks
                     + sum(not e.pins["host"] for e in hits))
-            if device > limit or host > self.kv.host.num_blocks:
+            if host > self.kv.host.num_blocks:
                 break
             if not self.kv.policy.offload and self.kv.device.num_free < r.device_blocks - 1:
                 break  # cached blocks a prefix hit of this step copies from: next step
