@@ -239,6 +239,11 @@ def _metrics(mode: str, s: BenchSettings, w: MultiTurnWorkload, turns: list[Turn
         "device_kv_budget_bytes": m["device_kv_budget_bytes"],
         "host_kv_peak_bytes": m["host_kv_peak_bytes"],
         "link_bytes_h2d": delta("link_bytes_h2d"),
+        # history bytes a decode round moved, the distinct blocks of it, and the floor
+        **{f"link_bytes{name}_per_round": (delta(f"decode_history{name}_bytes")
+                                           / delta("verify_steps") if delta("verify_steps")
+                                           else 0.0)
+           for name in ("", "_unique", "_floor")},
     }
 
 

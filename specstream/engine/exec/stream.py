@@ -73,7 +73,9 @@ class ChunkStream(HistorySource):
         """The layer's chunk waves: the j-th chunks of a bucket's requests, up to
         ``wave_requests`` distinct chunks a wave. Requests whose j-th chunk is the same blocks
         (a shared prefix) share its region: it is copied once and all of them attend it,
-        across buckets too (those waves come first)."""
+        across buckets too (those waves come first); so does a chunk that starts another's
+        blocks (a sharer whose device window begins inside the shared run attends fewer of
+        them)."""
         cb = self.chunk_blocks
         chunks_of = [s.layer_chunks(layer, cb) for s in plan.seqs]
         depth = max((len(c) for c in chunks_of), default=0)
@@ -92,6 +94,7 @@ class ChunkStream(HistorySource):
                 for p, i in enumerate(members):
                     if len(chunks_of[i]) > j:
                         holders.setdefault(chunks_of[i][j], []).append((b, p))
+            holders = _by_prefix(holders)
             cross = {c: h for c, h in holders.items() if len({b for b, _ in h}) > 1}
             served.update((buckets[b][p], j) for h in cross.values() for b, p in h)
             pack(j, cross)
@@ -101,7 +104,7 @@ class ChunkStream(HistorySource):
                 for p, i in enumerate(members):
                     if len(chunks_of[i]) > j and (i, j) not in served:
                         holders.setdefault(chunks_of[i][j], []).append((b, p))
-                pack(j, holders)
+                pack(j, _by_prefix(holders))
         return copies
 
     def _wave(self, plan: StepPlan, buckets: list[list[int]],
@@ -126,15 +129,15 @@ class ChunkStream(HistorySource):
                 mine = chunks_of[members[p]]
                 lo = sum(map(len, mine)) - len(s.promote)
                 start = sum(map(len, mine[:j]))  # chunks may be short before the last
-                for t in range(max(0, lo - start), lens[u]):
+                for t in range(max(0, lo - start), len(mine[j])):
                     p_rows.append(u * cb + t)
                     p_dst.append(s.promote[start + t - lo])
             regions = [region_of[b, p] for p in part]
             # keys up to the longest chunk only: a last chunk shorter than the region is not
             # padded (padding costs attention time and a mask)
             shape = WaveShape.build(None if part == list(range(len(members))) else part,
-                                    [lens[u] * bs for u in regions], max(lens) * bs, None,
-                                    device)
+                                    [len(chunks_of[members[p]][j]) * bs for p in part],
+                                    max(lens) * bs, None, device)
             same = regions == list(range(len(chunks)))
             parts.append((b, shape, None if same else to_device(regions, torch.long, device)))
         return _WaveCopy(
@@ -221,3 +224,23 @@ class ChunkStream(HistorySource):
 
     def end(self) -> None:
         assert not self.pending and not self.jobs, "stream left waves unconsumed"
+
+
+def _by_prefix(holders: dict[tuple[int, ...], list[tuple[int, int]]]
+               ) -> dict[tuple[int, ...], list[tuple[int, int]]]:
+    """Chunks (and who reads them) with every chunk that starts another one folded into the
+    longer: its readers attend the region's first blocks only. Unchanged, in order, where no
+    chunk starts another (no sharing)."""
+    into: dict[tuple[int, ...], tuple[int, ...]] = {}
+    kept: list[tuple[int, ...]] = []
+    for chunk in sorted(holders, key=len, reverse=True):
+        big = next((k for k in kept if k[: len(chunk)] == chunk), None)
+        if big is None:
+            kept.append(chunk)
+        into[chunk] = big or chunk
+    if len(kept) == len(holders):
+        return holders
+    out: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for chunk, readers in holders.items():
+        out.setdefault(into[chunk], []).extend(readers)
+    return out

@@ -122,27 +122,37 @@ def split_steps(seqs: list[SeqWork], splitter: HostSplitter, est: Estimates, num
         return seqs, None
     readers = Counter(b for c in cold for b in c)
     lead = [_shared_lead(s.restore_chunks, readers) for s in seqs]
-    runs: dict[tuple[tuple[int, ...], ...], list[int]] = {}  # a shared run: its sharers
+    # sharers by their first chunk; the run the group shares is their common leading chunks
+    # (a sharer's last shared chunk may be shorter than the others')
+    groups: dict[tuple[int, ...], list[int]] = {}
     for i, (s, k) in enumerate(zip(seqs, lead, strict=True)):
         if k:
-            runs.setdefault(s.restore_chunks[:k], []).append(i)
+            groups.setdefault(s.restore_chunks[0], []).append(i)
+    runs = [_common([seqs[i].restore_chunks[: lead[i]] for i in ids]) for ids in groups.values()]
     own = [blocks[sum(map(len, s.restore_chunks[:k])) :]
            for s, blocks, k in zip(seqs, cold, lead, strict=True)]
     group = [replace(seqs[ids[0]], token_ids=tuple(t for i in ids for t in seqs[i].token_ids))
-             for ids in runs.values()]
+             for ids in groups.values()]
     counts = splitter.counts(seqs + group, [len(o) for o in own]
                              + [sum(map(len, run)) for run in runs], est)
-    taken = {run: int(x) for run, x in zip(runs, counts[len(seqs) :], strict=True)}
+    # whole chunks of each run to the host: the rest keeps its chunks, the same for all
+    taken: dict[int, int] = {}  # request -> leading chunks of its run the host attends
+    for ids, run, x in zip(groups.values(), runs, counts[len(seqs) :], strict=True):
+        c = 0
+        while c < len(run) and sum(map(len, run[: c + 1])) <= x:
+            c += 1
+        taken.update(dict.fromkeys(ids, c))
     out = []
-    for s, blocks, k, x in zip(seqs, own, lead, counts[: len(seqs)], strict=True):
-        run = s.restore_chunks[:k]
-        shared = [b for c in run for b in c]
-        m = taken.get(run, 0)  # whole blocks of the shared run on the host
+    for i, (s, blocks, k, x) in enumerate(zip(seqs, own, lead, counts[: len(seqs)],
+                                              strict=True)):
+        c = taken.get(i, 0)
+        hosted = tuple(b for ch in s.restore_chunks[:c] for b in ch)
+        m = len(hosted)  # whole blocks of the shared run on the host, every layer
         n_by_layer = splitter.by_layer(x, num_layers)
         n = max(n_by_layer)
         if n or m:
-            left = run if not m else _chunks(shared[m:], per_chunk)
-            s = replace(s, host_blocks=tuple(shared[:m]) + tuple(blocks[:n]),
+            left = s.restore_chunks[c:k]
+            s = replace(s, host_blocks=hosted + tuple(blocks[:n]),
                         host_layers=(tuple(m + c for c in n_by_layer)
                                      if min(n_by_layer) < n else ()),
                         restore_chunks=left + _chunks(blocks[n:], per_chunk),
@@ -150,9 +160,17 @@ def split_steps(seqs: list[SeqWork], splitter: HostSplitter, est: Estimates, num
         elif k:
             s = replace(s, shared_chunks=k)
         out.append(s)
-    host = sum(counts[: len(seqs)]) + sum(taken[s.restore_chunks[:k]] for s, k in
-                                          zip(seqs, lead, strict=True) if k)
+    host = sum(counts[: len(seqs)]) + sum(
+        sum(map(len, seqs[i].restore_chunks[:c])) for i, c in taken.items())
     return out, host / total
+
+
+def _common(leads: list[tuple[tuple[int, ...], ...]]) -> tuple[tuple[int, ...], ...]:
+    """The leading chunks every one of ``leads`` has."""
+    n = 0
+    while all(len(lead) > n and lead[n] == leads[0][n] for lead in leads):
+        n += 1
+    return leads[0][:n]
 
 
 def _chunks(blocks: Sequence[int], per_chunk: int) -> tuple[tuple[int, ...], ...]:
