@@ -294,3 +294,19 @@ def test_a_layer_that_spills_keeps_the_shared_chunks_as_cut():
     assert shared.layer_chunks(1, 2) == ((0, 1), (2,), (4, 5), (6,))
     assert [b for c in shared.layer_chunks(1, 2) for b in c] == sorted(
         shared.layer_link_blocks(1))
+
+
+def test_the_host_share_of_a_shared_run_may_end_inside_a_chunk():
+    """Half of a three-block shared run is one block on the host for both sharers; the chunk
+    it came from keeps its tail, so both still stream the same chunks."""
+    from specstream.config import EngineConfig
+    from specstream.engine.contract import SeqWork
+    from specstream.engine.policy.feedback import Estimates
+    from specstream.engine.sched.host_split import MeasuredSplit, split_steps
+
+    seqs = [SeqWork(r, (1,), 0, 0, False, True, 0, (), ((0, 1), (2,))) for r in "ab"]
+    config = EngineConfig(mode="stream", host_attention="auto", host_attention_fraction=0.5)
+    out, share = split_steps(seqs, MeasuredSplit(config, 1), Estimates(), 2, 2)
+    assert [(s.host_blocks, s.restore_chunks, s.shared_chunks) for s in out] == [
+        ((0,), ((1,), (2,)), 2)] * 2
+    assert share == pytest.approx(2 / 6)

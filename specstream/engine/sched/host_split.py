@@ -135,23 +135,18 @@ def split_steps(seqs: list[SeqWork], splitter: HostSplitter, est: Estimates, num
              for ids in groups.values()]
     counts = splitter.counts(seqs + group, [len(o) for o in own]
                              + [sum(map(len, run)) for run in runs], est)
-    # whole chunks of each run to the host: the rest keeps its chunks, the same for all
-    taken: dict[int, int] = {}  # request -> leading chunks of its run the host attends
+    # whole blocks of each run to the host, the same for all its sharers
+    taken: dict[int, int] = {}  # request -> leading blocks of its run the host attends
     for ids, run, x in zip(groups.values(), runs, counts[len(seqs) :], strict=True):
-        c = 0
-        while c < len(run) and sum(map(len, run[: c + 1])) <= x:
-            c += 1
-        taken.update(dict.fromkeys(ids, c))
+        taken.update(dict.fromkeys(ids, min(int(x), sum(map(len, run)))))
     out = []
     for i, (s, blocks, k, x) in enumerate(zip(seqs, own, lead, counts[: len(seqs)],
                                               strict=True)):
-        c = taken.get(i, 0)
-        hosted = tuple(b for ch in s.restore_chunks[:c] for b in ch)
-        m = len(hosted)  # whole blocks of the shared run on the host, every layer
+        m = taken.get(i, 0)  # blocks of the shared run on the host, every layer
+        hosted, left = _drop(s.restore_chunks[:k], m)
         n_by_layer = splitter.by_layer(x, num_layers)
         n = max(n_by_layer)
         if n or m:
-            left = s.restore_chunks[c:k]
             s = replace(s, host_blocks=hosted + tuple(blocks[:n]),
                         host_layers=(tuple(m + c for c in n_by_layer)
                                      if min(n_by_layer) < n else ()),
@@ -160,9 +155,22 @@ def split_steps(seqs: list[SeqWork], splitter: HostSplitter, est: Estimates, num
         elif k:
             s = replace(s, shared_chunks=k)
         out.append(s)
-    host = sum(counts[: len(seqs)]) + sum(
-        sum(map(len, seqs[i].restore_chunks[:c])) for i, c in taken.items())
-    return out, host / total
+    return out, (sum(counts[: len(seqs)]) + sum(taken.values())) / total
+
+
+def _drop(chunks: tuple[tuple[int, ...], ...], m: int
+          ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """The first ``m`` blocks of ``chunks``, and the chunks of the rest as they were cut (the
+    chunk holding block ``m`` keeps its tail): a sharer's remaining chunks are the same blocks
+    as every other sharer's, or start them."""
+    head: list[int] = []
+    for c, chunk in enumerate(chunks):
+        if len(head) + len(chunk) > m:
+            cut = m - len(head)
+            return (tuple(head) + chunk[:cut],
+                    ((chunk[cut:],) if cut < len(chunk) else ()) + chunks[c + 1 :])
+        head += chunk
+    return tuple(head), ()
 
 
 def _common(leads: list[tuple[tuple[int, ...], ...]]) -> tuple[tuple[int, ...], ...]:
