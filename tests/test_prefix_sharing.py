@@ -54,6 +54,18 @@ def test_a_sharer_references_the_owners_host_blocks_and_they_count_once():
     assert kv.duplicate_blocks(["a"]) == 0
 
 
+def test_blocks_offered_over_several_write_backs_chain_on():
+    """A request's blocks join the cache write-back by write-back, each keyed from the last
+    one offered (not re-hashed from the first): a sharer finds all of them."""
+    kv = _manager()
+    tokens = list(range(6 * BS + 1))
+    for n in (3 * BS, 6 * BS + 1):  # two write-backs: blocks 0-2, then 3-5
+        _write(kv, "a", tokens[:n])
+    assert len(kv.seqs["a"].refs) == 6
+    hit, _ = kv.adopt_prefix("b", tokens)
+    assert hit == 6 * BS and kv.seqs["b"].host_blocks == kv.seqs["a"].host_blocks
+
+
 def test_restore_chunks_are_cut_where_the_shared_run_ends():
     kv = _manager()
     doc = list(range(3 * BS))

@@ -38,10 +38,12 @@ class SeqBlocks:
     target: int | None = None
     # prefix sharing: the cache entries of host blocks the request references, by block index
     # (the cache owns those blocks), how many of them it adopted at admission (the others it
-    # wrote itself, counted in its reservation), and the blocks offered to the cache so far
+    # wrote itself, counted in its reservation), the blocks offered to the cache so far and
+    # the last one's key (the parent of the next one's: keys are not recomputed)
     refs: dict[int, Entry] = field(default_factory=dict)
     adopted: int = 0
     offered: int = 0
+    offered_key: int | None = None
 
     @property
     def droppable(self) -> int:

@@ -212,6 +212,7 @@ class KVManager:
         seq.host_blocks = [e.host for e in hits if e.host is not None]
         seq.refs, seq.adopted = dict(enumerate(hits)), len(hits)
         seq.first = seq.offered = len(hits)
+        seq.offered_key = hits[-1].key if hits else None
         seq.num_tokens = len(hits) * self.block_size
         return seq.num_tokens
 
@@ -233,7 +234,7 @@ class KVManager:
         if end <= seq.offered:
             return 0
         host = [None if i in seq.refs else seq.host_blocks[i] for i in range(seq.offered, end)]
-        taken = self.cache.share(token_ids, host, seq.offered)
+        taken, seq.offered_key = self.cache.share(token_ids, host, seq.offered, seq.offered_key)
         seq.refs.update(taken)
         seq.offered = end
         return len(taken)

@@ -68,12 +68,13 @@ class PrefixCache:
     extra_pins: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
 
     # ---- keys ---------------------------------------------------------------------------
-    def chain(self, tokens: Sequence[int], num_blocks: int) -> list[tuple[int, int | None,
-                                                                        tuple[int, ...]]]:
-        """(key, parent key, token ids) of the first ``num_blocks`` full blocks of ``tokens``."""
-        bs, parent = self.block_size, None
+    def chain(self, tokens: Sequence[int], num_blocks: int, start: int = 0,
+              parent: int | None = None) -> list[tuple[int, int | None, tuple[int, ...]]]:
+        """(key, parent key, token ids) of the full blocks ``start .. num_blocks - 1`` of
+        ``tokens`` (``parent``: the key of block ``start - 1``)."""
+        bs = self.block_size
         out: list[tuple[int, int | None, tuple[int, ...]]] = []
-        for i in range(num_blocks):
+        for i in range(start, num_blocks):
             block = tuple(tokens[i * bs : (i + 1) * bs])
             if len(block) < bs:
                 break
@@ -128,14 +129,15 @@ class PrefixCache:
         self._touch_chain(kept)
         return left_device, left_host
 
-    def share(self, tokens: Sequence[int], host: Sequence[int | None], start: int = 0
-              ) -> dict[int, Entry]:
+    def share(self, tokens: Sequence[int], host: Sequence[int | None], start: int = 0,
+              parent: int | None = None) -> tuple[dict[int, Entry], int | None]:
         """A running request's host blocks ``host[i]`` (None: not to share) for blocks
-        ``start + i`` of ``tokens``: each joins the cache where no entry holds a host copy of
-        its key yet, pinned for the request (a reference). Returns the entries taken, by block
-        index: the request's references (the cache owns those blocks now)."""
+        ``start + i`` of ``tokens`` (``parent``: block ``start - 1``'s key): each joins the
+        cache where no entry holds a host copy of its key yet, pinned for the request (a
+        reference). Returns the entries taken, by block index (the request's references: the
+        cache owns those blocks now), and the last block's key (the next call's parent)."""
         taken: dict[int, Entry] = {}
-        chain = self.chain(tokens, start + len(host))[start:]
+        chain = self.chain(tokens, start + len(host), start, parent)
         for i, ((key, parent, block), h) in enumerate(zip(chain, host), start):
             if h is None:
                 continue
@@ -150,7 +152,7 @@ class PrefixCache:
             self.lru["host"][e.key] = None
             self.pin([(e, "host")])
             taken[i] = e
-        return taken
+        return taken, chain[-1][0] if chain else parent
 
     def record(self, queried: int, hit_tiers: Sequence[str]) -> None:
         """Count a lookup: ``queried`` prompt tokens, one hit block per entry of ``hit_tiers``

@@ -91,7 +91,7 @@ class Residency:
             short = (seq.target or 0) - len(seq.device_blocks)
             # only blocks that cross the link can be promoted on the way (not host-attended),
             # and only the newest cold blocks (those just before the window)
-            short = min(short, _newest_on_link(s, seq.host_blocks[: seq.first]))
+            short = _newest_on_link(s, seq.host_blocks[: seq.first], short)
             if s.restore_chunks and short > 0:
                 self.free_up(short, running, keep=planned)
                 s = replace(s, promote=tuple(kv.plan_promotion(s.request_id, short)))
@@ -111,11 +111,14 @@ class Residency:
             short -= kv.drop(rid, min(short, kv.excess(rid)))
 
 
-def _newest_on_link(work: SeqWork, cold: list[int]) -> int:
-    """How many of the request's newest cold blocks end its link-carried blocks (the host
-    attends its own oldest blocks; a shared prefix it leaves on the link may come last)."""
-    link = [b for c in work.restore_chunks for b in c]
+def _newest_on_link(work: SeqWork, cold: list[int], most: int) -> int:
+    """How many (at most ``most``) of the request's newest cold blocks end its link-carried
+    blocks (the host attends its own oldest blocks; a shared prefix it leaves on the link may
+    come last)."""
     n = 0
-    while n < min(len(link), len(cold)) and link[-1 - n] == cold[-1 - n]:
-        n += 1
+    for chunk in reversed(work.restore_chunks):
+        for b in reversed(chunk):
+            if n >= min(most, len(cold)) or b != cold[-1 - n]:
+                return n
+            n += 1
     return n
