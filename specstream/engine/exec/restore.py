@@ -60,6 +60,7 @@ class LayerRestore(HistorySource):
                 self.pos.setdefault(b, len(self.pos))
                 self.readers.setdefault(b, []).append(s.request_id)
         total = self.total_blocks = len(self.pos)
+        self.shared = {b for b, r in self.readers.items() if len(r) > 1}
         self.slots = plan.restore_blocks
         self.handles: dict[int, list[TransferHandle]] = {}
         self.shapes: dict[tuple[int, int, int], WaveShape] = {}
@@ -101,6 +102,12 @@ class LayerRestore(HistorySource):
         for i, s in enumerate(self.plan.seqs):
             blocks = self._blocks(layer, i)
             for t, length, plane, first in self._runs(layer, i):
+                if not self.shared:  # no block is read twice: the run is one copy
+                    dst = self.store.device[plane, :, first : first + length]
+                    handles += self.store.restore(layer, blocks[t : t + length], dst,
+                                                  s.request_id)
+                    self.copies += 1
+                    continue
                 # the run's blocks not issued yet, as consecutive pieces
                 u = t
                 while u < t + length:
@@ -112,8 +119,9 @@ class LayerRestore(HistorySource):
                         v += 1
                     piece = blocks[u:v]
                     issued.update(piece)
-                    readers = sorted({r for b in piece for r in self.readers[b]})
-                    tag = s.request_id if readers == [s.request_id] else BatchTag(readers)
+                    tag: object = s.request_id
+                    if not self.shared.isdisjoint(piece):  # every request that reads it
+                        tag = BatchTag(sorted({r for b in piece for r in self.readers[b]}))
                     dst = self.store.device[plane, :, first + u - t : first + v - t]
                     handles += self.store.restore(layer, piece, dst, tag)
                     self.copies += 1
