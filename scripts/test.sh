@@ -14,7 +14,7 @@ ruff check .
 # and the offline API with the flags of --strict (pyproject.toml's [[tool.mypy.overrides]])
 mypy specstream/engine specstream/kvcache specstream/spec specstream/config.py \
     specstream/options.py specstream/defaults.py specstream/modes.py specstream/llm.py \
-    specstream/registry.py
+    specstream/registry.py specstream/structured
 set +e
 python -m pytest -q -p no:cacheprovider "$@"
 rc=$?
