@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from specstream.structured.grammar import Constraint
+
 # Upper bound on a per-request override of the engine's number of draft tokens per round.
 MAX_SPECULATIVE_TOKENS = 16
 # Seeds are what torch.Generator.manual_seed takes: a signed or unsigned 64-bit integer.
@@ -85,6 +87,9 @@ class SamplingParams:
     num_speculative_tokens: int | None = None
     # Number of completions for the prompt.
     n: int = 1
+    # The output's shape: a JSON schema, a regex, a choice, a grammar (specstream.structured;
+    # every logits row, draft positions included, masked by the grammar's state there).
+    structured: Constraint | None = None
     # vLLM's candidates per prompt; only None or n (every candidate returned) is served.
     best_of: int | None = None
 
@@ -179,5 +184,6 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """The logits change before temperature: a bias, a penalty or min_tokens."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+        """The logits change before temperature: a bias, a penalty, min_tokens or a grammar."""
+        return (self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+                or self.structured is not None)

@@ -53,6 +53,10 @@ class Tokenizer:
         self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
         self._added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
 
+    def to_json(self) -> str:
+        """tokenizer.json as the tokenizers library writes it (the grammar library reads it)."""
+        return str(self._tok.to_str())
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)

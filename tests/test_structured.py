@@ -17,15 +17,8 @@ from torch import Tensor
 
 from specstream.sampling_params import SamplingParams
 from specstream.spec.acceptance import accept_drafts
-from specstream.structured import (
-    Constraint,
-    GrammarError,
-    Matcher,
-    chain_masks,
-    compile_constraint,
-    mask_logits,
-    tree_masks,
-)
+from specstream.structured import Constraint, GrammarError, compile_constraint
+from specstream.structured.matcher import Matcher, chain_masks, mask_logits, tree_masks
 
 TOKENS = [b"\xff[EOS]", b"a", b"b", b"c", b"ab", b"ba", b"{", b"}"]
 V, EOS, Q, N_OUT = len(TOKENS), 0, 2, 3

@@ -146,6 +146,8 @@ class DraftWork:
     # Tokens of token_ids a draft model has not seen and feeds before drafting (the
     # scheduler's count; the round-shape policy reads it as part of the draft's cost).
     unseen: int = 0
+    # Tokens of token_ids that are the prompt (a grammar constrains the others).
+    prompt_len: int = 0
 
     def count(self, num_new: int) -> int:
         """Drafts to make once ``num_new`` more tokens are known (a bonus token always follows

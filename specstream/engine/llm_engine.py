@@ -42,6 +42,8 @@ from specstream.options import Proposer as ProposerKind
 from specstream.sampling_params import SamplingParams
 from specstream.spec.draft import DraftModelProposer
 from specstream.spec.proposer import Proposer, make_proposer
+from specstream.structured import grammar_tokenizer
+from specstream.structured.rounds import GrammarRounds
 from specstream.tokenizer import Tokenizer
 
 log = logging.getLogger("specstream.engine")
@@ -86,6 +88,11 @@ class LLMEngine:
                                                    self.dtype.itemsize, frozenset(eos),
                                                    _free_device_bytes(device))
         self.eos_token_ids = layout.eos_token_ids
+        tok = self.tokenizer
+        self.grammar = None if tok is None else GrammarRounds(
+            lambda: grammar_tokenizer(tok.to_json(), tuple(sorted(self.eos_token_ids)),
+                                      self.model_config.vocab_size),
+            self.model_config.vocab_size)
         self.max_model_len = layout.max_model_len
         self.backend = make_backend(device.split(":")[0], link_gbps=config.link_gbps)
         mode = config.mode_spec
@@ -102,7 +109,7 @@ class LLMEngine:
                              DRAFTING.get(drafting_for(mode.drafting, device))(
                                  self.tracer, self.backend),
                              self.attention, self.tracer, stop_ids=self.eos_token_ids,
-                             host=host)
+                             host=host, grammar=self.grammar)
         # the draft model's share of the parameters (the policy's first estimate of its cost
         # per token, from the target's prefill)
         draft_share = (_num_params(self.proposer.model) / _num_params(self.model)
@@ -148,6 +155,10 @@ class LLMEngine:
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"= {total} exceeds the model's context of {self.max_model_len} tokens"
             )
+        if params.structured is not None:
+            if self.grammar is None:
+                raise ValueError("a structured output needs the model's tokenizer.json")
+            self.grammar.check(params.structured)  # GrammarError (a ValueError) if rejected
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.scheduler.requests:
             raise ValueError(f"duplicate request id {rid!r}")

@@ -41,6 +41,7 @@ from specstream.spec.proposer import (
     ProposeRequest,
     register_proposer,
 )
+from specstream.structured.matcher import mask_logits
 
 
 @register_proposer("draft")
@@ -215,6 +216,8 @@ class DraftJob(ProposeJob):
         assert ids is not None
         last_pos = [pos[-1] for pos in self.positions] if s == 0 else positions
         logits = self.p.forward(fwd, ids, caches, counts, last_pos)
+        if any(active[i].allowed is not None for i in live):
+            logits = self._grammar_masked(logits, live)
         if self.sampling is None:
             tokens, probs = logits.argmax(dim=-1), None
         else:
@@ -229,6 +232,17 @@ class DraftJob(ProposeJob):
         self.live = [i for i in live if active[i].num_tokens > s + 1]
         self.num_steps += 1
         return bool(self.live)
+
+    def _grammar_masked(self, logits: Tensor, live: list[int]) -> Tensor:
+        """Each constrained row masked by its grammar after the drafts made so far (reading
+        them back: a structured request's draft step waits for the one before)."""
+        drafted = [dict(zip(st.live, st.tokens.tolist())) for st in self.steps]
+        rows = []
+        for i in live:
+            allowed = self.active[i].allowed
+            rows.append(torch.ones(logits.shape[-1], dtype=torch.bool) if allowed is None
+                        else allowed([d[i] for d in drafted]))
+        return mask_logits(logits, torch.stack(rows))
 
     def device_tokens(self) -> Tensor | None:
         while self.step():

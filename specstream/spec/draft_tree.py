@@ -56,6 +56,7 @@ from specstream.spec.draft import (
 )
 from specstream.spec.draft_kv import DraftForward, DraftSeqCache, TreeQueries
 from specstream.spec.proposer import Proposal, ProposeRequest
+from specstream.structured.matcher import mask_logits
 
 
 class TreeBuilder:
@@ -251,6 +252,8 @@ class DraftTreeJob(DraftJob):
             logits = p.forward(fwd, ids_t, caches, counts, [x[-1] for x in self.positions])
         else:
             logits = self._forward_level(fwd, ids_t, live, caches, counts, positions)
+        if any(active[i].allowed is not None for i in live):
+            logits = self._grammar_rows(logits, live, first)
         parts, probs, k = [], None, 0
         if chain:
             assert chain_t is not None
@@ -275,6 +278,21 @@ class DraftTreeJob(DraftJob):
             top, top_ids = logp.topk(k, dim=-1)  # [rows, k] each, most probable first
             parts += [top.double().flatten(), top_ids.double().flatten()]
         return _Level(live, chain, trees, probs, k, _Readback(torch.cat(parts)))
+
+    def _grammar_rows(self, logits: Tensor, live: list[int], first: list[int]) -> Tensor:
+        """Each constrained request's logits rows masked by its grammar after the row's path
+        (a chain's drafts so far; a tree frontier node's path), all known on the host."""
+        masks = torch.ones(logits.shape, dtype=torch.bool)
+        for j, i in enumerate(live):
+            allowed, t = self.active[i].allowed, self.trees.get(i)
+            if allowed is None:
+                continue
+            if t is None:
+                masks[first[j]] = allowed(self.drafted[i])
+            else:
+                for u, node in enumerate(t.frontier):
+                    masks[first[j] + u] = allowed([t.tokens[a] for a in t.path(node)])
+        return mask_logits(logits, masks)
 
     def _forward_level(self, fwd: DraftForward, ids: Tensor, live: list[int],
                        caches: list[DraftSeqCache], counts: list[int],
@@ -308,9 +326,9 @@ class DraftTreeJob(DraftJob):
             i = lv.live[j]
             t = self.trees[i]
             kids = []
-            for _ in t.frontier:
+            for _ in t.frontier:  # (a grammar's masked tokens are no candidates)
                 kids.append([(int(ids[row * k + u]), logps[row * k + u])
-                             for u in range(min(t.topk, k))])
+                             for u in range(min(t.topk, k)) if logps[row * k + u] > -math.inf])
                 row += 1
             t.grow(kids)
             if not t.frontier:  # complete: the cache holds the request's tokens only

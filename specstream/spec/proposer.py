@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,9 @@ class ProposeRequest:
     topk: int = 1
     # Token trees: nodes of the tree at most (None = num_tokens, a chain).
     max_nodes: int | None = None
+    # Structured outputs: the tokens the request's grammar allows after token_ids and the
+    # given drafts ([V] bool); a model proposer drafts under it. None: unconstrained.
+    allowed: Callable[[Sequence[int]], Tensor] | None = None
 
 
 @dataclass

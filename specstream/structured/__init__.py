@@ -1,5 +1,9 @@
-"""Grammar-constrained decoding (structured outputs): constraints compiled by llguidance, and
-per-position token masks for speculative rounds (chains and trees) that roll back exactly."""
+"""Grammar-constrained decoding (structured outputs): constraints compiled by llguidance
+(``grammar``), a request's matcher and the token masks of speculative rounds, chains and trees,
+that roll back exactly (``matcher``), and the worker's matchers (``rounds``).
+
+Only ``grammar`` is imported here: SamplingParams carries a Constraint, and the scheduler's side
+imports no torch."""
 
 from specstream.structured.grammar import (
     Constraint,
@@ -7,15 +11,5 @@ from specstream.structured.grammar import (
     compile_constraint,
     grammar_tokenizer,
 )
-from specstream.structured.matcher import Matcher, chain_masks, mask_logits, tree_masks
 
-__all__ = [
-    "Constraint",
-    "GrammarError",
-    "Matcher",
-    "chain_masks",
-    "compile_constraint",
-    "grammar_tokenizer",
-    "mask_logits",
-    "tree_masks",
-]
+__all__ = ["Constraint", "GrammarError", "compile_constraint", "grammar_tokenizer"]

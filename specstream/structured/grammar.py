@@ -16,6 +16,11 @@ import llguidance
 # The spellings a Constraint takes: vLLM's structured_outputs keys and SGLang's request fields
 # map onto these ("ebnf" and "grammar" are GBNF or Lark text; "json_object" any JSON object).
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "ebnf", "lark")
+# JSON as json.dumps writes it: ", " and ": ", no other whitespace (a free choice of whitespace
+# lets a small model pad an object with blanks until max_tokens); a schema's "x-guidance"
+# options override it.
+JSON_LAYOUT: Any = {  # llguidance.JsonCompileOptions (a TypedDict of its stubs only)
+    "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarError(ValueError):
@@ -33,7 +38,7 @@ class Constraint:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | str) -> Constraint:
-        text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+        text = schema if isinstance(schema, str) else json.dumps(schema)  # its key order kept
         return cls("json_schema", text)
 
     @classmethod
@@ -51,11 +56,10 @@ def grammar_text(constraint: Constraint) -> str:
     """The llguidance grammar of a constraint (not yet checked against a tokenizer)."""
     kind, spec = constraint.kind, constraint.spec
     try:
-        if kind == "json_object":
-            return llguidance.grammar_from("json_schema", '{"type": "object"}')
-        if kind == "json_schema":
-            json.loads(spec)
-            return llguidance.grammar_from("json_schema", spec)
+        if kind in ("json_object", "json_schema"):
+            text = '{"type": "object"}' if kind == "json_object" else spec
+            json.loads(text)
+            return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_LAYOUT)
         if kind == "lark":
             return llguidance.grammar_from("lark", spec)
         if kind in ("grammar", "ebnf"):

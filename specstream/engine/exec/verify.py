@@ -29,6 +29,8 @@ from specstream.spec.acceptance import accept_drafts_on_device
 from specstream.spec.proposer import Proposer
 from specstream.spec.token_tree import DraftTree
 from specstream.spec.tree import accept_tree_on_device
+from specstream.structured.matcher import mask_logits
+from specstream.structured.rounds import GrammarRounds
 
 
 @dataclass
@@ -52,9 +54,10 @@ class Verifier:
     draft distributions its pending drafts were sampled from."""
 
     def __init__(self, model: CausalLM, store: KVStore, proposer: Proposer | None,
-                 stop_ids: Collection[int] = ()) -> None:
-        """``stop_ids``: the model's end-of-sequence ids (min_tokens masks them)."""
-        self.model, self.store, self.proposer = model, store, proposer
+                 stop_ids: Collection[int] = (), grammar: GrammarRounds | None = None) -> None:
+        """``stop_ids``: the model's end-of-sequence ids (min_tokens masks them); ``grammar``:
+        the matchers of constrained requests (None: no tokenizer, no constraints)."""
+        self.model, self.store, self.proposer, self.grammar = model, store, proposer, grammar
         self.stop_ids = frozenset(stop_ids)
         self.device = store.device.device
         self.generators: dict[str, torch.Generator | None] = {}
@@ -68,6 +71,8 @@ class Verifier:
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
         self.draft_probs.pop(request_id, None)
+        if self.grammar is not None:
+            self.grammar.release(request_id)
 
     def verify(self, plan: StepPlan, result: RoundResult, out: StepOutput,
                reads: ReadBack) -> None:
@@ -169,7 +174,17 @@ class Verifier:
             prompt_len = len(s.history) - s.output_len
             contexts.append(TokenContext(s.output_len, s.history[:prompt_len],
                                          s.history[prompt_len:]))
-        return process_logits(raw, [s.params for s in seqs], contexts, paths, self.stop_ids)
+        logits = process_logits(raw, [s.params for s in seqs], contexts, paths, self.stop_ids)
+        if self.grammar is None or all(s.params.structured is None for s in seqs):
+            return logits
+        masks = []  # every row of a constrained request masked by its grammar there
+        for s, ctx, rows in zip(seqs, contexts, paths):
+            if s.params.structured is None:
+                masks.append(torch.ones(len(rows), logits.shape[-1], dtype=torch.bool))
+            else:
+                masks.append(self.grammar.masks(s.request_id, s.params.structured,
+                                                ctx.output, rows))
+        return mask_logits(logits, torch.cat(masks))
 
     def _tree_probs(self, s: SeqWork, tree: DraftTree) -> torch.Tensor | None:
         """The request's draft distributions as ``accept_tree`` reads them (``[N + 1, V]``:

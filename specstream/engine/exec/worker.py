@@ -15,7 +15,7 @@ step verified, from the tokens they emitted.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import torch
 
@@ -34,6 +34,7 @@ from specstream.kvcache.storage import KVStore
 from specstream.models.decoder import CausalLM
 from specstream.spec.proposer import Proposal, ProposeJob, Proposer, ProposeRequest
 from specstream.spec.token_tree import DraftTree
+from specstream.structured.rounds import GrammarRounds
 
 
 class Worker:
@@ -45,13 +46,13 @@ class Worker:
         self, model: CausalLM, store: KVStore, history: HistorySource,
         proposer: Proposer | None, drafting: Drafting, attention: type[WaveAttention],
         tracer: Tracer | None = None, stop_ids: Collection[int] = (),
-        host: HostAttention | None = None,
+        host: HostAttention | None = None, grammar: GrammarRounds | None = None,
     ) -> None:
         self.model, self.store, self.history, self.host = model, store, history, host
         self.attention = attention
         self.proposer, self.drafting = proposer, drafting
         self.tracer = tracer or Tracer(False)
-        self.verifier = Verifier(model, store, proposer, stop_ids)
+        self.verifier = Verifier(model, store, proposer, stop_ids, grammar)
 
     # ---- the step -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -131,6 +132,15 @@ class Worker:
             self.proposer.free(request_id)
 
     # ---- drafting -----------------------------------------------------------------------
+    def _grammar(self, d: DraftWork, tokens: tuple[int, ...]
+                 ) -> Callable[[Sequence[int]], torch.Tensor] | None:
+        """What a constrained request's grammar allows after ``tokens`` and some drafts."""
+        grammar, constraint = self.verifier.grammar, d.params.structured
+        if grammar is None or constraint is None:
+            return None
+        generated = tokens[d.prompt_len :]
+        return lambda drafts: grammar.masks(d.request_id, constraint, generated, [drafts])[0]
+
     def _start(self, work: list[DraftWork], new_tokens: dict[str, list[int]],
                out: StepOutput) -> ProposeJob | None:
         """The proposer's job for ``work`` (tokens emitted this step appended); a request the
@@ -139,9 +149,10 @@ class Worker:
         for d in work:
             new = new_tokens.get(d.request_id, [])
             if d.count(len(new)) > 0:
-                batch.append(ProposeRequest(d.request_id, d.token_ids + tuple(new),
-                                            d.count(len(new)), d.params, topk=d.topk,
-                                            max_nodes=d.max_nodes))
+                tokens = d.token_ids + tuple(new)
+                batch.append(ProposeRequest(d.request_id, tokens, d.count(len(new)),
+                                            d.params, topk=d.topk, max_nodes=d.max_nodes,
+                                            allowed=self._grammar(d, tokens)))
             else:
                 out.drafts[d.request_id] = []
         while batch:

@@ -95,7 +95,8 @@ class DraftPlanner:
             num_tokens=depth, room=self.room(req), params=req.params,
             after_verify=after_verify, topk=topk,
             # a request's own depth may exceed the engine's node budget: a chain that deep
-            max_nodes=max(nodes, depth) if tree else None, unseen=self.unseen(req))
+            max_nodes=max(nodes, depth) if tree else None, unseen=self.unseen(req),
+            prompt_len=len(req.prompt_token_ids))
 
     def wants_drafts(self, req: Request) -> bool:
         """Whether the request would draft for its next round at all."""

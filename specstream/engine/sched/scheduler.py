@@ -199,8 +199,10 @@ class Scheduler:
             restore_chunks=tuple(c.host_blocks for c in self.kv.restore_chunks(rid)),
             params=p, parents=tuple(req.draft_parents or ()) if drafts else (),
             output_len=len(req.output_token_ids),
-            # penalties read the history; prompt_logprobs the prompt tokens the inputs predict
-            history=tuple(req.all_token_ids) if sample and p.penalized else (),
+            # penalties and grammars read the history; prompt_logprobs the prompt tokens the
+            # inputs predict
+            history=(tuple(req.all_token_ids)
+                     if sample and (p.penalized or p.structured is not None) else ()),
             prompt_targets=(tuple(prompt[start + 1 : start + len(tokens) + 1])
                             if p.prompt_logprobs is not None and req.in_prefill else ()))
 
