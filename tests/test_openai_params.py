@@ -225,7 +225,7 @@ def test_refusals_over_http(live: LiveServer) -> None:
     client = live.client()
     cases = [
         (client.chat.completions.create, dict(messages=[{"role": "user", "content": "x"}],
-                                              response_format={"type": "json_object"}),
+                                              response_format={"type": "xml"}),
          "response_format"),
         (client.chat.completions.create, dict(
             messages=[{"role": "user", "content": "x"}],

@@ -28,8 +28,8 @@ class Why:
     text: str
 
 
-STRUCTURED = Why(": structured output (JSON mode, schemas, regexes, grammars) is not "
-                 "implemented yet")
+STRUCTURED = Why(": give the constraint as response_format, structured_outputs, guided_json / "
+                 "guided_regex / guided_choice / guided_grammar, or json_schema / regex / ebnf")
 TOOLS = Why(": tool calling is not implemented")
 
 NoopTable = dict[str, tuple[Any, ...]]  # field -> the values it is accepted at (and a Why)
@@ -71,9 +71,7 @@ SAMPLING_NOOP: NoopTable = {
     "bad_words": (None, []),
     "logits_processors": (None,),
     **{name: (None, STRUCTURED) for name in (
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-        "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
-        "structured_outputs")},
+        "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag")},
     "cache_salt": (None, Why(": the prefix cache is shared by all requests")),
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),

@@ -22,11 +22,11 @@ from specstream.server.field_policy import (
     COMPLETION_NOOP,
     MAX_LOGPROBS,
     SAMPLING_NOOP,
-    STRUCTURED,
     TOOLS,
     NoopTable,
     StrictModel,
 )
+from specstream.server.structured_fields import constraint_of
 
 
 class StreamOptions(StrictModel):
@@ -65,8 +65,17 @@ class _SamplingRequest(StrictModel):
     request_id: str | None = None
     # With logprobs: tokens as "token_id:<id>" (text that is not valid UTF-8 stays readable).
     return_tokens_as_token_ids: bool | None = None
-    # Accepted at their no-op values (see ``NOOP``, from field_policy).
+    # Output constraints (server/structured_fields.py): OpenAI's, vLLM's, SGLang's spellings.
     response_format: dict[str, Any] | None = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    # Accepted at their no-op values (see ``NOOP``, from field_policy).
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -78,14 +87,9 @@ class _SamplingRequest(StrictModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     logits_processors: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
     structural_tag: Any = None
-    structured_outputs: Any = None
     cache_salt: Any = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
@@ -93,12 +97,10 @@ class _SamplingRequest(StrictModel):
     NOOP: ClassVar[NoopTable] = SAMPLING_NOOP
 
     def unsupported(self) -> APIError | None:
-        fmt = self.response_format
-        if fmt is not None and fmt != {"type": "text"}:
-            kind = fmt.get("type")
-            return APIError(400, f"'response_format' of type {json.dumps(kind)[:40]} is not "
-                                 f"supported by this server (only {{\"type\": \"text\"}})"
-                                 f"{STRUCTURED.text}.", param="response_format")
+        try:
+            constraint_of(self)  # the constraint's spelling; its grammar is the engine's
+        except APIError as err:
+            return err
         return super().unsupported() or self._check()
 
     def _check(self) -> APIError | None:

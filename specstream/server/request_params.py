@@ -12,6 +12,7 @@ from specstream.sampling_params import SamplingParams
 from specstream.server.errors import APIError
 from specstream.server.logprob_shapes import TokenNames
 from specstream.server.protocol import ChatCompletionRequest, CompletionRequest
+from specstream.server.structured_fields import constraint_of
 
 TOP_K_MAX = (1 << 63) - 1
 LOGIT_BIAS_MAX = 100.0  # OpenAI clamps biases to [-100, 100]; so does vLLM
@@ -55,6 +56,7 @@ def sampling_params(req: Any, prompt_len: int, max_model_len: int, param: str,
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is None and req.echo and logprobs is not None:
         prompt_logprobs = logprobs  # vLLM: echo with logprobs returns the prompt's too
+    structured = constraint_of(req)
     try:
         return SamplingParams(
             temperature=temperature, top_p=pick("top_p", 1.0), top_k=top_k,
@@ -66,7 +68,8 @@ def sampling_params(req: Any, prompt_len: int, max_model_len: int, param: str,
             stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, n=req.n, best_of=req.best_of)
+            prompt_logprobs=prompt_logprobs, n=req.n, best_of=req.best_of,
+            structured=structured)
     except (ValueError, TypeError) as exc:  # the message starts with the field's name
         raise APIError(400, str(exc), param=str(exc).split()[0]) from None
 

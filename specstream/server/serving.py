@@ -33,6 +33,7 @@ from specstream.server.async_engine import (
 from specstream.server.errors import APIError, server_error
 from specstream.server.request_params import Render
 from specstream.server.responses import response_body
+from specstream.structured import GrammarError
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming handler checks that its client is there
 
@@ -92,6 +93,10 @@ async def submit(engine: AsyncEngine, job: Job, prompts: list[list[int]],
         raise APIError(400, f"The request id {job.api_id!r} (X-Request-Id) is already in use "
                             "by a request in flight; send a unique id.",
                        code="request_id_in_use") from None
+    except GrammarError as exc:  # the output constraint's grammar: name the field it came in
+        given = [s[2].structured.source for s in subs if s[2].structured is not None]
+        field = given[0] if given and given[0] else None
+        raise APIError(400, f"{field}: {exc}" if field else str(exc), param=field) from None
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
     except QueueFull as exc:

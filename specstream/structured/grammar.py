@@ -7,7 +7,7 @@ here, before the request is admitted, with the library's message (a 400 over HTT
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -35,17 +35,19 @@ class Constraint:
 
     kind: str
     spec: str = ""
+    # The request field it came from (an HTTP 400 names it); not part of its identity.
+    source: str = field(default="", compare=False)
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | str) -> Constraint:
+    def json_schema(cls, schema: dict[str, Any] | str, source: str = "") -> Constraint:
         text = schema if isinstance(schema, str) else json.dumps(schema)  # its key order kept
-        return cls("json_schema", text)
+        return cls("json_schema", text, source)
 
     @classmethod
-    def choice(cls, options: list[str]) -> Constraint:
+    def choice(cls, options: list[str], source: str = "") -> Constraint:
         if not options or not all(isinstance(o, str) for o in options):
             raise GrammarError("a choice constraint needs a non-empty list of strings")
-        return cls("choice", json.dumps(options))
+        return cls("choice", json.dumps(options), source)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
