@@ -77,14 +77,16 @@ CHAT_CASES: dict[str, dict[str, Any]] = {
         "stop": ["self"],
         "extra_body": {"skip_special_tokens": False, "include_stop_str_in_output": True}},
 }
-# What must stay a 400 that names the field (tools: not yet built here).
+# What must stay a 400 that names the field.
 REFUSED = [
     ("completions", {"suffix": "\n"}, "suffix"),
     ("chat", {"response_format": {"type": "xml"}}, "response_format"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),  # without tools
     ("chat", {"tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object", "properties": {}}}}]}, "tools"),
+        "name": "f", "parameters": {"type": "object", "properties": {}}}}],
+        "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
 ]
 
 

@@ -229,7 +229,8 @@ def test_refusals_over_http(live: LiveServer) -> None:
          "response_format"),
         (client.chat.completions.create, dict(
             messages=[{"role": "user", "content": "x"}],
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
         (client.completions.create, dict(prompt="x", n=2, best_of=3), "best_of"),
         (client.completions.create, dict(prompt="x", suffix="y"), "suffix"),
     ]

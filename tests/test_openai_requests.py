@@ -58,7 +58,8 @@ def test_accepted_fields() -> None:
     ("completion", {"prompt_embeds": "abc"}, "prompt_embeds"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {}}},
      "response_format"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"functions": [{"name": "f"}]}, "functions"),
+    ("chat", {"tools": [{"type": "function", "function": {}}]}, "tools"),
     ("chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

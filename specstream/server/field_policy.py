@@ -30,7 +30,7 @@ class Why:
 
 STRUCTURED = Why(": give the constraint as response_format, structured_outputs, guided_json / "
                  "guided_regex / guided_choice / guided_grammar, or json_schema / regex / ebnf")
-TOOLS = Why(": tool calling is not implemented")
+FUNCTIONS = Why(": give them as tools and tool_choice")
 
 NoopTable = dict[str, tuple[Any, ...]]  # field -> the values it is accepted at (and a Why)
 
@@ -84,12 +84,11 @@ CHAT_TEMPLATE_NOOP: NoopTable = {
     "chat_template": (None, Why(": templates sent with requests are not trusted; start the "
                                 "server with --chat-template instead")),
     "mm_processor_kwargs": (None,),
-    "tools": (None, [], TOOLS),
 }
 
 CHAT_NOOP: NoopTable = {
     **SAMPLING_NOOP, **CHAT_TEMPLATE_NOOP,
     "reasoning_effort": (None,), "modalities": (None, ["text"]), "audio": (None,),
-    "prediction": (None,), "functions": (None, [], TOOLS),
-    "function_call": (None, "none", TOOLS), "verbosity": (None,),
+    "prediction": (None,), "functions": (None, [], FUNCTIONS),
+    "function_call": (None, "none", FUNCTIONS), "verbosity": (None,),
     "web_search_options": (None,)}

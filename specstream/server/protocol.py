@@ -22,11 +22,11 @@ from specstream.server.field_policy import (
     COMPLETION_NOOP,
     MAX_LOGPROBS,
     SAMPLING_NOOP,
-    TOOLS,
     NoopTable,
     StrictModel,
 )
 from specstream.server.structured_fields import constraint_of
+from specstream.server.tools import tool_choice_error
 
 
 class StreamOptions(StrictModel):
@@ -155,18 +155,78 @@ class TextPart(StrictModel):
     text: str
 
 
+class ToolFunction(StrictModel):
+    """A function a tool call names: its arguments as JSON text (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(StrictModel):
+    """One call in an assistant message of the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
+class FunctionDefinition(StrictModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no parameters
+    strict: bool | None = None  # calls are always held to the schema when constrained
+
+
+class ToolDefinition(StrictModel):
+    """An entry of ``tools``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # none only beside an assistant's tool_calls
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    # What the openai client sends back when a reply is appended to the history as it came.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as chat templates read it (a call's arguments as an object where they
+        are a JSON object, as vLLM hands them to templates)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
-_RENDER_ARGS = {"messages", "add_generation_prompt", "continue_final_message", "chat_template"}
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+_RENDER_ARGS = {"messages", "add_generation_prompt", "continue_final_message", "chat_template",
+                "tools"}
 
 
 class _ChatTemplateFields(StrictModel):
@@ -180,11 +240,16 @@ class _ChatTemplateFields(StrictModel):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: Any = None
-    tools: list[Any] | None = None
+    tools: list[ToolDefinition] | None = None
 
     NOOP: ClassVar[NoopTable] = CHAT_TEMPLATE_NOOP
 
     def template_check(self) -> APIError | None:
+        for i, m in enumerate(self.messages):
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                return APIError(400, f"messages[{i}]: 'content' is required (only an "
+                                     "assistant message with tool_calls may leave it out)",
+                                param=f"messages[{i}].content")
         if self.continue_final_message and "add_generation_prompt" in self.model_fields_set \
                 and self.add_generation_prompt:
             return APIError(400, "Cannot set both `continue_final_message` and "
@@ -194,9 +259,11 @@ class _ChatTemplateFields(StrictModel):
 
     def render_args(self) -> tuple[list[dict[str, str]], dict[str, Any]]:
         """Messages and keyword arguments for ``Tokenizer.apply_chat_template``."""
-        messages = [{"role": m.role, "content": m.text()} for m in self.messages]
+        messages = [m.as_template_input() for m in self.messages]
         kwargs = {k: v for k, v in (self.chat_template_kwargs or {}).items()
                   if k not in _RENDER_ARGS}  # the request's own fields decide those
+        if self.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
         if self.documents is not None:
             kwargs["documents"] = self.documents
         kwargs["continue_final_message"] = self.continue_final_message
@@ -237,11 +304,7 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingRequest):
         if top and not self.logprobs:
             return APIError(400, "when using `top_logprobs`, `logprobs` must be set to true.",
                             param="top_logprobs")
-        if self.tool_choice not in (None, "none", "auto", "required"):
-            return APIError(400, f"'tool_choice' = {json.dumps(self.tool_choice)[:80]} is not "
-                                 f"supported by this server (only none){TOOLS.text}.",
-                            param="tool_choice")
-        return self.template_check() or super()._check()
+        return tool_choice_error(self) or self.template_check() or super()._check()
 
     @property
     def top_n(self) -> int | None:

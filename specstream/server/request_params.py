@@ -13,6 +13,7 @@ from specstream.server.errors import APIError
 from specstream.server.logprob_shapes import TokenNames
 from specstream.server.protocol import ChatCompletionRequest, CompletionRequest
 from specstream.server.structured_fields import constraint_of
+from specstream.server.tools import parses_tool_calls, tool_constraint
 
 TOP_K_MAX = (1 << 63) - 1
 LOGIT_BIAS_MAX = 100.0  # OpenAI clamps biases to [-100, 100]; so does vLLM
@@ -56,7 +57,10 @@ def sampling_params(req: Any, prompt_len: int, max_model_len: int, param: str,
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is None and req.echo and logprobs is not None:
         prompt_logprobs = logprobs  # vLLM: echo with logprobs returns the prompt's too
-    structured = constraint_of(req)
+    structured, tool = constraint_of(req), tool_constraint(req) if chat else None
+    if structured is not None and tool is not None:
+        raise APIError(400, f"give one output constraint, not '{structured.source}' and "
+                            f"'tool_choice' = {req.tool_choice!r}", param="tool_choice")
     try:
         return SamplingParams(
             temperature=temperature, top_p=pick("top_p", 1.0), top_k=top_k,
@@ -69,7 +73,7 @@ def sampling_params(req: Any, prompt_len: int, max_model_len: int, param: str,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, n=req.n, best_of=req.best_of,
-            structured=structured)
+            structured=structured or tool)
     except (ValueError, TypeError) as exc:  # the message starts with the field's name
         raise APIError(400, str(exc), param=str(exc).split()[0]) from None
 
@@ -120,6 +124,7 @@ class Render:
     continuous_usage: bool = False  # usage on every chunk (stream_options)
     cached_tokens: bool = False  # usage.prompt_tokens_details.cached_tokens
     skip_special_tokens: bool = True  # as the engine decodes the text
+    tool_calls: bool = False  # chat: calls are parsed out of the text (server.tool_calls)
 
 
 def render(req: Any, tok: Any, cached_tokens: bool = False) -> Render:
@@ -133,4 +138,5 @@ def render(req: Any, tok: Any, cached_tokens: bool = False) -> Render:
                   echo=not chat and req.echo,
                   echo_only=not chat and req.echo and req.max_tokens == 0, prefix=prefix,
                   continuous_usage=req.stream and req.continuous_usage,
-                  cached_tokens=cached_tokens, skip_special_tokens=req.skip_special_tokens)
+                  cached_tokens=cached_tokens, skip_special_tokens=req.skip_special_tokens,
+                  tool_calls=chat and parses_tool_calls(req))

@@ -12,6 +12,7 @@ from specstream.server.logprob_shapes import (
     completion_logprobs,
     prompt_logprobs_body,
 )
+from specstream.server.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
     from specstream.server.serving import Job
@@ -35,8 +36,15 @@ def _final_choice(job: Job, i: int, out: RequestOutput) -> dict[str, Any]:
     if job.kind == "chat":
         logprobs = None if r.logprobs is None else {
             "content": chat_logprobs(o.token_ids, o.logprobs, r.logprobs, r.names)}
-        return {"index": i, "message": {"role": "assistant", "content": r.prefix + o.text},
-                "logprobs": logprobs, "finish_reason": o.finish_reason,
+        message: dict[str, Any] = {"role": "assistant", "content": r.prefix + o.text}
+        finish = o.finish_reason
+        if r.tool_calls:
+            content, calls = parse_tool_calls(message["content"])
+            message = {"role": "assistant", "content": content, "tool_calls": [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+            finish = tool_finish_reason(finish, bool(calls))
+        return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish,
                 "stop_reason": o.stop_reason}
     ids, positions, text = with_echo(job, i, out, o.token_ids, o.logprobs, o.text)
     logprobs = None if r.logprobs is None else completion_logprobs(
@@ -62,6 +70,11 @@ def with_echo(job: Job, i: int, out: RequestOutput, ids: list[int],
         return prompt, prompt_positions, job.prompt_text(p)
     return prompt + ids, prompt_positions + list(positions or [None] * len(ids)), \
         job.prompt_text(p) + text
+
+
+def tool_finish_reason(finish: str | None, called: bool) -> str | None:
+    """"tool_calls" where a reply that ended on its own made calls (OpenAI's and vLLM's)."""
+    return "tool_calls" if called and finish == "stop" else finish
 
 
 def finish_reason(job: Job, o: CompletionOutput) -> str | None:

@@ -23,8 +23,16 @@ from specstream.engine.request import RequestOutput
 from specstream.server.async_engine import AsyncEngine
 from specstream.server.errors import server_error
 from specstream.server.logprob_shapes import chat_logprobs, completion_logprobs
-from specstream.server.responses import finish_reason, generated_tokens, head, usage, with_echo
+from specstream.server.responses import (
+    finish_reason,
+    generated_tokens,
+    head,
+    tool_finish_reason,
+    usage,
+    with_echo,
+)
 from specstream.server.serving import Job, close
+from specstream.server.tool_calls import Release, ToolCallParser
 
 
 class JobStream(StreamingResponse):
@@ -58,6 +66,7 @@ class _Choice:
     waiting: int = 0  # of those, tokens whose text is not complete yet
     length: int = 0  # characters decoded
     decode: Callable[[int], str | None] | None = None
+    tools: ToolCallParser | None = None  # chat with tools: the calls parsed out of the text
 
     def covered(self, token_ids: list[int], tok: Any, skip_special_tokens: bool) -> int:
         """How many generated tokens the sent text holds in full."""
@@ -112,10 +121,14 @@ async def stream(engine: AsyncEngine, job: Job) -> AsyncIterator[str]:
                 delta = text[len(c.text):] if text.startswith(c.text) else ""
                 if not delta and not out.finished:
                     continue  # nothing settled yet (a chat choice's role waits for it too)
+                released = _parse(job, c, delta, out.finished)
                 c.text += delta
+                if released is not None and not (released.content or released.calls
+                                                 or out.finished):
+                    continue  # held back (a tag begun): its logprobs go with what follows
                 k = len(o.token_ids) if out.finished else \
                     c.covered(o.token_ids, r.names.tok, r.skip_special_tokens)
-                choice = _chunk_choice(job, i, c, out, delta, k)
+                choice = _chunk_choice(job, i, c, out, delta, k, released)
                 c.tokens, c.started, c.done = k, True, out.finished
                 chunk = {**head(job, obj), "choices": [choice], **extra}
                 if r.continuous_usage:
@@ -129,17 +142,34 @@ async def stream(engine: AsyncEngine, job: Job) -> AsyncIterator[str]:
         close(engine, job)
 
 
-def _chunk_choice(job: Job, i: int, c: _Choice, out: RequestOutput, delta: str, k: int
-                  ) -> dict[str, Any]:
-    """One choice of a chunk: ``delta`` and the logprobs of generated tokens ``c.tokens:k``
-    (the role, the echo and its logprobs first in a choice's first chunk)."""
+def _parse(job: Job, c: _Choice, delta: str, finished: bool) -> Release | None:
+    """A chat choice's text delta through its tool-call parser (None: not parsed)."""
+    if not job.render.tool_calls:
+        return None
+    if c.tools is None:
+        c.tools = ToolCallParser()
+    released = c.tools.feed(("" if c.started or c.text else job.render.prefix) + delta)
+    return released.then(c.tools.finish()) if finished else released
+
+
+def _chunk_choice(job: Job, i: int, c: _Choice, out: RequestOutput, delta: str, k: int,
+                  released: Release | None = None) -> dict[str, Any]:
+    """One choice of a chunk: ``delta`` (or what the tool-call parser ``released`` of it) and
+    the logprobs of generated tokens ``c.tokens:k`` (the role, the echo and its logprobs first
+    in a choice's first chunk)."""
     o, r = out.outputs[0], job.render
     ids, positions = o.token_ids[c.tokens:k], (o.logprobs or [])[c.tokens:k] or None
     finish = finish_reason(job, o) if out.finished else None
     stop_reason = o.stop_reason if out.finished else None
     if job.kind == "chat":
-        message: dict[str, str] = {"role": "assistant"} if not c.started else {}
-        if delta or not c.started:
+        message: dict[str, Any] = {"role": "assistant"} if not c.started else {}
+        if released is not None:
+            if released.content or not c.started:
+                message["content"] = released.content
+            if released.calls:
+                message["tool_calls"] = [d.body() for d in released.calls]
+            finish = tool_finish_reason(finish, bool(c.tools and c.tools.calls))
+        elif delta or not c.started:
             message["content"] = (r.prefix if not c.started else "") + delta
         logprobs = None if r.logprobs is None else {
             "content": chat_logprobs(ids, positions, r.logprobs, r.names)}

@@ -6,10 +6,11 @@ Only ``grammar`` is imported here: SamplingParams carries a Constraint, and the 
 imports no torch."""
 
 from specstream.structured.grammar import (
+    JSON_LAYOUT,
     Constraint,
     GrammarError,
     compile_constraint,
     grammar_tokenizer,
 )
 
-__all__ = ["Constraint", "GrammarError", "compile_constraint", "grammar_tokenizer"]
+__all__ = ["JSON_LAYOUT", "Constraint", "GrammarError", "compile_constraint", "grammar_tokenizer"]
