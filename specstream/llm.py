@@ -174,15 +174,19 @@ class LLM:
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation (with ``tools``, OpenAI's
+        function tools, as vLLM's ``LLM.chat`` takes them), then generate. The calls stay in
+        the text: ``specstream.server.tool_calls.parse_tool_calls`` reads them out."""
         if self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer, so no chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         # the template writes any BOS itself, so the rendered text is encoded without specials
         prompts = [
-            self.tokenizer.encode(self.tokenizer.apply_chat_template(c),  # type: ignore[arg-type]
-                                  add_special_tokens=False)
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(c, tools=tools),  # type: ignore[arg-type]
+                add_special_tokens=False)
             for c in convs
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -269,7 +269,9 @@ class LLMEngine:
             shared_block_refs=shared[0], shared_blocks=shared[1],
             unique_kv_bytes=(sum(s.num_tokens for s in self.kv.seqs.values())
                              - self.kv.duplicate_blocks() * self.kv.block_size)
-            * block_bytes // self.kv.block_size)
+            * block_bytes // self.kv.block_size,
+            structured_mask_s=self.grammar.mask_s if self.grammar else 0.0,
+            structured_mask_rows=self.grammar.mask_rows if self.grammar else 0)
 
     def get_metrics(self) -> dict[str, Any]:
         """``metrics()`` as a dict (the stats' counters and ratios, then the engine's state)."""

@@ -231,6 +231,10 @@ class EngineMetrics:
     shared_block_refs: int = 0
     shared_blocks: int = 0
     unique_kv_bytes: int = 0
+    # structured outputs: seconds spent computing grammar masks (verification rows and draft
+    # steps; inside the step times the round-shape policy measures) and the rows masked
+    structured_mask_s: float = 0.0
+    structured_mask_rows: int = 0
 
     @property
     def device_kv_usage(self) -> float:

@@ -249,7 +249,7 @@ class _ChatTemplateFields(StrictModel):
             if m.content is None and not (m.role == "assistant" and m.tool_calls):
                 return APIError(400, f"messages[{i}]: 'content' is required (only an "
                                      "assistant message with tool_calls may leave it out)",
-                                param=f"messages[{i}].content")
+                                param="messages")
         if self.continue_final_message and "add_generation_prompt" in self.model_fields_set \
                 and self.add_generation_prompt:
             return APIError(400, "Cannot set both `continue_final_message` and "

@@ -3,6 +3,7 @@ tokens the request has generated, and the masks of each round's logits rows."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import llguidance
@@ -22,6 +23,8 @@ class GrammarRounds:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self.vocab_size = vocab_size
         self._matchers: dict[str, tuple[Matcher, int]] = {}  # and the tokens it has consumed
+        self.mask_s = 0.0  # seconds in ``masks`` (the metrics' structured_mask_s)
+        self.mask_rows = 0
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -39,6 +42,7 @@ class GrammarRounds:
         request's output so far) and then ``paths[r]`` (the drafts before row r). A path the
         grammar refuses part-way gets the mask where it stops: the target rejects the refused
         draft there, so the rows after it are never read."""
+        t0 = time.perf_counter()
         m, consumed = self._matchers.get(request_id, (None, 0))
         if m is None:
             m = Matcher(self.tokenizer, compile_constraint(constraint, self.tokenizer),
@@ -59,6 +63,8 @@ class GrammarRounds:
                 cache[key] = m.allowed()
                 m.rollback(taken)
             rows.append(cache[key])
+        self.mask_s += time.perf_counter() - t0
+        self.mask_rows += len(rows)
         return torch.stack(rows)
 
     def release(self, request_id: str) -> None:
