@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from specstream.models.config import ModelConfig
 from specstream.models.decoder import CausalLM
+from specstream.models.tensor_parallel import Shard, parallelize, rank_config, shard_tensor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -116,16 +117,21 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
 
 
 def load_model(
-    folder: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu"
+    folder: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
+    shard: Shard | None = None,
 ) -> CausalLM:
-    """Load a HF checkpoint folder into the decoder. Raises with the problem named."""
+    """Load a HF checkpoint folder into the decoder. Raises with the problem named. With
+    ``shard``, only that tensor-parallel rank's part (``models.tensor_parallel``), each tensor
+    cut to it as it is read; the model's config is then the rank's (its heads, its KV heads,
+    its slice of the MLP)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder {folder} does not exist")
     cfg = ModelConfig.from_dir(folder)
     torch_dtype = resolve_dtype(dtype, device)
     _weight_files(folder)  # fail on missing weights before allocating anything
-    model = build_model(cfg, torch_dtype, device)
+    shard = shard or Shard(0, 1)
+    model = build_model(rank_config(cfg, shard.size), torch_dtype, device)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for raw_name, raw_tensor in iter_checkpoint(folder):
@@ -137,6 +143,7 @@ def load_model(
             else [(raw_name, raw_tensor)]
         )
         for name, tensor in pairs:
+            tensor = shard_tensor(name, tensor, cfg, shard)
             if name not in params:
                 raise CheckpointError(f"{folder}: unexpected tensor {raw_name} in the checkpoint")
             target = params[name]
@@ -154,4 +161,5 @@ def load_model(
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise CheckpointError(f"{folder}: checkpoint is missing {len(missing)} tensor(s): {shown}")
+    parallelize(model, shard)
     return model.fuse()

@@ -16,6 +16,7 @@ from specstream.sim.hardware import HardwareProfile, get_hardware
 from specstream.sim.model_profile import ModelProfile, get_model
 from specstream.sim.policy import MODES, SimPolicy, check_mode
 from specstream.sim.serving import ModeResult, simulate_mode
+from specstream.sim.tensor_parallel import with_tp
 from specstream.sim.workload import AcceptanceModel, Workload
 
 
@@ -37,16 +38,20 @@ class Scenario:
                    draft: str | ModelProfile, contexts: Sequence[int] = (32768,),
                    concurrency: int | None = 16, alpha: float = 0.75, output_len: int = 512,
                    pcie_gen: int | None = None, policy: SimPolicy | None = None,
+                   tensor_parallel_size: int = 1, allreduce_bytes_per_s: float = 0.0,
                    **workload: object) -> Scenario:
-        """Built-in names (or profiles) in, a roofline-costed scenario out."""
+        """Built-in names (or profiles) in, a roofline-costed scenario out; at
+        ``tensor_parallel_size`` > 1 the costs are one rank's (``sim.tensor_parallel``)."""
         hw = hardware if isinstance(hardware, HardwareProfile) else get_hardware(hardware,
                                                                                    pcie_gen)
         tgt = target if isinstance(target, ModelProfile) else get_model(target)
         drf = draft if isinstance(draft, ModelProfile) else get_model(draft)
         wl = Workload(tuple(contexts), output_len, concurrency, **workload)  # type: ignore[arg-type]
-        return cls(RooflineCosts(hw, tgt, drf), wl, AcceptanceModel(alpha=alpha),
-                   policy or SimPolicy(), f"{hw.name} PCIe{hw.pcie_gen} {tgt.name}+{drf.name}",
-                   hw, tgt, drf)
+        costs = with_tp(RooflineCosts(hw, tgt, drf), tensor_parallel_size,
+                        allreduce_bytes_per_s)
+        tp = f" TP{tensor_parallel_size}" if tensor_parallel_size > 1 else ""
+        return cls(costs, wl, AcceptanceModel(alpha=alpha), policy or SimPolicy(),
+                   f"{hw.name} PCIe{hw.pcie_gen} {tgt.name}+{drf.name}{tp}", hw, tgt, drf)
 
     def with_contexts(self, contexts: Sequence[int]) -> Scenario:
         return replace(self, workload=replace(self.workload, context_lengths=tuple(contexts),

@@ -8,11 +8,13 @@ import sys
 from dataclasses import fields, replace
 
 from specstream.sim.api import Scenario, simulate, sweep_contexts
+from specstream.sim.costs import RooflineCosts
 from specstream.sim.hardware import HARDWARE, HOST_ISAS, get_hardware
 from specstream.sim.host import HOST_ATTENTION
 from specstream.sim.model_profile import MODELS, get_model
 from specstream.sim.policy import MODES, OFFLOAD_MODES, RESIDENCIES, SimPolicy
 from specstream.sim.report import describe, residency_table, results_table, verdict
+from specstream.sim.tensor_parallel import with_tp
 from specstream.sim.workload import AcceptanceModel
 
 HELP = "predict every mode's throughput, latency and memory fit at datacenter scale"
@@ -64,6 +66,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     hw.add_argument("--gpus-per-host", type=int,
                     help="GPUs offloading through one host; they share its memory bandwidth "
                     "and cores (default 1)")
+    hw.add_argument("--allreduce-gbps", type=float,
+                    help="all-reduce bus bandwidth between a TP group's GPUs, GB/s (default: "
+                    "NVLink's on SXM parts, PCIe's otherwise; sim/tensor_parallel.py)")
     m = p.add_argument_group("models (built-in name or path to an HF config.json / checkpoint)")
     m.add_argument("--target", default="Qwen3-8B", help=f"built-ins: {', '.join(MODELS)}")
     m.add_argument("--draft", default="Qwen3-0.6B", help="draft model: a built-in name or a path")
@@ -82,6 +87,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     w.add_argument("--accepted-counts", help="measured histogram n0,n1,..,nq (rounds with k "
                                              "drafts accepted); overrides --alpha")
     e = p.add_argument_group("engine policy")
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="GPUs per replica: the target's heads and KV heads split across them, "
+                   "each streaming its KV shard over its own link (the draft replicated)")
     e.add_argument("--q", default="auto", help="drafts per round, or 'auto' (best of 1,2,4,6,8)")
     e.add_argument("--chunk-tokens", type=int, default=2048, help="tokens per streamed chunk")
     e.add_argument("--staging-buffers", type=int, default=2,
@@ -132,6 +140,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="H200 + Qwen3-8B at 32K with 1/2/4/8 GPUs per host, chains vs trees, "
                    "host attention off vs auto (the table of docs/simulator.md); --host-isa "
                    "applies")
+    o.add_argument("--tp-table", action="store_true",
+                   help="TP 1 / 2 / 4 for Qwen3-32B and Qwen3-8B on H200s and the reference's "
+                   "Qwen3-32B + Qwen3-0.6B on two A800s (the table of docs/simulator.md)")
     o.add_argument("--compare-residency", action="store_true",
                    help="simulate the scenario with both residencies; print link bytes per "
                    "round and throughput per mode, tail against fill")
@@ -165,6 +176,11 @@ def _scenario(args: argparse.Namespace) -> Scenario:
                              weights=weights, seed=args.seed)
     if args.kv_dtype:
         sc = replace(sc, costs=replace(sc.costs, kv_dtype_bytes=KV_DTYPE_BYTES[args.kv_dtype]))
+    if args.tensor_parallel_size != 1:
+        assert isinstance(sc.costs, RooflineCosts)
+        sc = replace(sc, costs=with_tp(sc.costs, args.tensor_parallel_size,
+                                       (args.allreduce_gbps or 0.0) * gb),
+                     label=f"{sc.label} TP{args.tensor_parallel_size}")
     if args.accepted_counts:
         counts = tuple(_ints(args.accepted_counts))
         acc = AcceptanceModel(accepted_counts=counts, measured_q=len(counts) - 1)
@@ -258,6 +274,11 @@ def run(args: argparse.Namespace) -> int:
         from specstream.sim.ladder import ladder_grid
 
         print(ladder_grid())
+        return 0
+    if args.tp_table:
+        from specstream.sim.tensor_parallel import tp_table
+
+        print(tp_table())
         return 0
     if args.host_attention_table:
         from specstream.sim.host_table import host_table

@@ -25,6 +25,11 @@ class Costs(Protocol):
     link_bw: float  # host-to-device bytes/s
     link_copy_s: float  # fixed cost of one copy on the link (a DMA)
 
+    @property
+    def gpus(self) -> int:
+        """GPUs one replica of the target occupies (its tensor-parallel size)."""
+        ...
+
     def layers(self, which: Which) -> int: ...
     def kv_bytes(self, which: Which) -> float: ...  # per token, all layers
     def weight_bytes(self, which: Which) -> float: ...
@@ -77,6 +82,10 @@ class RooflineCosts:
     @property
     def link_copy_s(self) -> float:
         return self.hardware.link_copy_s
+
+    @property
+    def gpus(self) -> int:
+        return 1
 
     def layers(self, which: Which) -> int:
         return self._model(which).num_layers
@@ -146,6 +155,10 @@ class FittedCosts:
     forward: tuple[LinearFit, LinearFit]
     prefill: tuple[PrefillFit, PrefillFit]
     link_copy_s: float = 0.0  # not measured: the bench's copies are inside its link rate
+
+    @property
+    def gpus(self) -> int:
+        return 1
 
     def _i(self, which: Which) -> int:
         return 0 if which == "target" else 1

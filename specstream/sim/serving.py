@@ -72,7 +72,7 @@ def _prefill_s(mode: str, costs: Costs, policy: SimPolicy, context: float) -> fl
 def simulate_mode(mode: str, costs: Costs, policy: SimPolicy, workload: Workload,
                   acceptance: AcceptanceModel) -> ModeResult:
     """Serve the workload in one mode; returns throughput, latencies and the round used."""
-    gpus = 2 if mode == "parallel-spec" else 1
+    gpus = costs.gpus + (1 if mode == "parallel-spec" else 0)  # its draft's own device
     peak = workload.max_context + workload.output_len
     max_conc = max_concurrency(mode, costs, policy, peak)
     if max_conc == 0:
