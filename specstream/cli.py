@@ -185,6 +185,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "--max-prefill-tokens: the prompt tokens a step may prefill; the step's "
                         "decode tokens (up to --max-num-seqs x (q + 1)) come on top of it, "
                         "where vLLM counts them in (default: as --max-prefill-tokens)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="ranks the target is sharded over, one process each, started by the "
+                        "engine (vLLM's flag; on cpu the ranks share the machine's cores) "
+                        f"(default: {_default('tensor_parallel_size')})")
     g.add_argument("--seed", type=int, default=None,
                    help="seed of the engine's generator, which requests without their own "
                         "seed sample from (generate: the request's own generator too) "

@@ -155,6 +155,7 @@ class EngineConfig:
     compute_threads: int | None = 1
     # Seeds the global generator that requests without their own seed sample from.
     seed: int = 0
+    tensor_parallel_size: int = 1  # target ranks, a process each (engine/exec/ranks.py)
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -162,7 +163,8 @@ class EngineConfig:
                 self.device == "cpu" or self.device.split(":")[0] == "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         positive = ("block_size", "host_kv_bytes", "chunk_tokens", "staging_buffers",
-                    "wave_requests", "max_num_seqs", "max_prefill_tokens", "draft_window_tokens")
+                    "wave_requests", "max_num_seqs", "max_prefill_tokens", "draft_window_tokens",
+                    "tensor_parallel_size")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -176,10 +178,8 @@ class EngineConfig:
         if self.resident_tail_tokens < 0 or (self.offload_after_tokens or 0) < 0:
             raise ValueError("resident_tail_tokens and offload_after_tokens must be >= 0")
         if self.chunk_tokens % self.block_size:
-            raise ValueError(
-                f"chunk_tokens ({self.chunk_tokens}) must be a multiple of block_size "
-                f"({self.block_size})"
-            )
+            raise ValueError(f"chunk_tokens ({self.chunk_tokens}) must be a multiple of "
+                             f"block_size ({self.block_size})")
         if self.link_gbps is not None and self.link_gbps <= 0:
             raise ValueError(f"link_gbps must be > 0, got {self.link_gbps}")
         if self.proposer is Proposer.DRAFT and not self.draft_model:

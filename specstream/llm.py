@@ -59,7 +59,8 @@ class LLM:
     ``speculative_config`` takes vLLM's dict (``{"method": "draft_model", "model": DIR,
     "num_speculative_tokens": 4}``, or ``"ngram"``; see :mod:`specstream.speculative_config`);
     it must not contradict ``draft_model``, ``proposer`` or ``num_speculative_tokens`` given
-    as well. ``tensor_parallel_size`` must be 1: one engine runs on one device.
+    as well. ``tensor_parallel_size`` > 1 shards the target over that many ranks, one process
+    each (``engine/exec/ranks.py``).
     """
 
     def __init__(
@@ -76,10 +77,10 @@ class LLM:
         unknown = sorted(set(kwargs) - fields)
         if unknown:
             raise TypeError(f"unknown LLM option(s): {unknown}; valid: {sorted(fields)}")
-        if isinstance(tensor_parallel_size, bool) or tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r}: tensor "
-                             "parallelism is not built yet; an engine runs on one device "
-                             "(tensor_parallel_size=1)")
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int):
+            raise ValueError(f"tensor_parallel_size must be an integer, got "
+                             f"{tensor_parallel_size!r}")
+        kwargs["tensor_parallel_size"] = tensor_parallel_size
         if speculative_config is not None:
             draft_model = _apply_speculative_config(speculative_config, draft_model, kwargs)
         if model is None:

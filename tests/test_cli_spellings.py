@@ -133,10 +133,11 @@ def test_speculative_config_must_agree_with_the_keywords(kwargs: dict[str, Any],
         LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **kwargs)
 
 
-@pytest.mark.parametrize("size", [2, 8, True])
-def test_tensor_parallelism_is_refused_until_it_exists(size: Any) -> None:
-    with pytest.raises(ValueError, match="not built yet"):
-        LLM(tensor_parallel_size=size)
+@pytest.mark.parametrize("size, message", [(8, "do not split over 8 ranks"),
+                                           (True, "must be an integer"), (0, "must be > 0")])
+def test_tensor_parallel_sizes_the_model_cannot_take(size: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(tensor_parallel_size=size)  # TP 2 itself: tests/test_tensor_parallel_engine.py
 
 
 # ---- LLM(...) with vLLM's keywords ----------------------------------------------------------

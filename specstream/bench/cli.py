@@ -169,6 +169,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ladder", action="store_true",
                    help="the ablation ladder: offload-spec (q = 4) -> + streaming -> + drafting "
                         "in the gaps -> + adaptive chain -> + trees, one run each")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="run every mode with the target sharded over this many ranks (one "
+                        "process each); the link bytes and times reported are one rank's "
+                        "(on cpu the ranks share the cores: no wall-time gain to expect)")
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.add_argument("--trace", default=None,
                    help="Chrome trace JSON of the specstream run (and a .png timeline)")
@@ -195,6 +199,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         enable_prefix_caching=not args.no_prefix_caching, host_attention=args.host_attention,
         merge_groups=not args.no_merge_groups,
         extra={"attention_backend": args.attention_backend,
+               "tensor_parallel_size": args.tensor_parallel_size,
                **({"host_attention_gbps": args.host_attention_gbps}
                   if args.host_attention_gbps else {})},
     )

@@ -14,23 +14,18 @@ import torch
 from specstream.attention.waves import ATTENTION, resolve_backend
 from specstream.backends import limit_compute_threads, make_backend
 from specstream.config import EngineConfig
-from specstream.engine.contract import (
-    StepOutput,
-    StepPlan,
-)
+from specstream.engine.contract import StepOutput, StepPlan
 from specstream.engine.exec.drafting import DRAFTING, drafting_for
 from specstream.engine.exec.history import make_source
 from specstream.engine.exec.host_attention import HostAttention
+from specstream.engine.exec.ranks import RankGroup
 from specstream.engine.exec.worker import Worker
 from specstream.engine.layout import RuntimeLayout
 from specstream.engine.meter import StepMeter
 from specstream.engine.outputs import OutputBuilder
 from specstream.engine.policy.feedback import RoundFeedback
 from specstream.engine.policy.shaping import RoundShaper
-from specstream.engine.request import (
-    Request,
-    RequestOutput,
-)
+from specstream.engine.request import Request, RequestOutput
 from specstream.engine.sched.host_split import HostSplitter
 from specstream.engine.sched.scheduler import Scheduler
 from specstream.engine.stats import EngineMetrics, EngineStats, RoundStats
@@ -38,6 +33,7 @@ from specstream.engine.trace import Tracer
 from specstream.errors import RequestError
 from specstream.kvcache.storage import KVStore
 from specstream.models.loader import load_model, resolve_dtype
+from specstream.models.tensor_parallel import Shard
 from specstream.options import Proposer as ProposerKind
 from specstream.sampling_params import SamplingParams
 from specstream.spec.draft import DraftModelProposer
@@ -55,12 +51,13 @@ class LLMEngine:
 
     def __init__(self, model: str | Path, config: EngineConfig, trace: bool = False,
                  proposer: Proposer | None = None, host_split: HostSplitter | None = None,
-                 shaper: RoundShaper | None = None) -> None:
+                 shaper: RoundShaper | None = None, shard: Shard | None = None) -> None:
         """``proposer``: a proposer object to draft with instead of the one ``config.proposer``
         names (tests, experiments); the config must still ask for speculation, and its draft
         model is then not loaded. ``host_split``: how the host's share of cold history is
         chosen, ``shaper``: the round-shape policy, instead of the configured ones (tests,
-        ablations)."""
+        ablations). ``shard``: a tensor-parallel rank's part (set by ``exec/ranks.py``; the
+        engine itself is rank 0 and starts the others)."""
         if proposer is not None and not config.speculative:
             raise ValueError("a proposer was given but the config does not speculate: set "
                              "proposer (and num_speculative_tokens) in the config too")
@@ -75,7 +72,10 @@ class LLMEngine:
         if device.startswith("cpu") and config.compute_threads is not None:
             limit_compute_threads(config.compute_threads)
         self.dtype = resolve_dtype(config.dtype, device)
-        self.model = load_model(model, self.dtype, device)
+        tp = config.tensor_parallel_size
+        self.ranks = RankGroup(model, config) if shard is None and tp > 1 else None
+        shard = shard or Shard(0, tp, self.ranks.group if self.ranks else None)
+        self.model = load_model(model, self.dtype, device, shard=shard)
         self.model_config = self.model.config
         self.tokenizer = _maybe_tokenizer(model)
         eos = set(self.model_config.eos_token_ids)
@@ -110,6 +110,8 @@ class LLMEngine:
                                  self.tracer, self.backend),
                              self.attention, self.tracer, stop_ids=self.eos_token_ids,
                              host=host, grammar=self.grammar)
+        if self.ranks is not None:
+            self.worker = self.ranks.driving(self.worker)  # type: ignore[assignment]
         # the draft model's share of the parameters (the policy's first estimate of its cost
         # per token, from the target's prefill)
         draft_share = (_num_params(self.proposer.model) / _num_params(self.model)
@@ -131,10 +133,8 @@ class LLMEngine:
         assert cfg.draft_model is not None
         draft = load_model(cfg.draft_model, self.dtype, cfg.device)
         if draft.config.vocab_size != self.model_config.vocab_size:
-            raise ValueError(
-                f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
-                f"({self.model_config.vocab_size})"
-            )
+            raise ValueError(f"draft vocabulary ({draft.config.vocab_size}) differs from the "
+                             f"target's ({self.model_config.vocab_size})")
         return DraftModelProposer(draft, cfg.draft_cache, cfg.draft_window_tokens,
                                   cfg.draft_sink_tokens, cfg.q, attention=self.attention,
                                   max_draft_topk=cfg.topk)
@@ -151,10 +151,9 @@ class LLMEngine:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                f"= {total} exceeds the model's context of {self.max_model_len} tokens"
-            )
+            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+                             f"({params.max_tokens}) = {total} exceeds the model's context of "
+                             f"{self.max_model_len} tokens")
         if params.structured is not None:
             if self.grammar is None:
                 raise ValueError("a structured output needs the model's tokenizer.json")
@@ -281,6 +280,8 @@ class LLMEngine:
         if self.worker.host is not None:
             self.worker.host.close()
         self.backend.close()
+        if self.ranks is not None:
+            self.ranks.close()
 
 
 def _maybe_tokenizer(folder: str | Path) -> Tokenizer | None:

@@ -124,6 +124,9 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
+        ranks = getattr(self.engine, "ranks", None)  # tensor parallelism: a rank gone
+        if self.error is None and ranks is not None and ranks.failure() is not None:
+            self.error = f"the tensor-parallel group is broken: {ranks.failure()}"
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     async def add(self, requests: list[tuple[str, list[int], SamplingParams]],
