@@ -27,6 +27,7 @@ from specstream.server.ray_serve import (  # noqa: E402
     pool_metrics,
     rank_by_free_host_kv,
     replica_llm_kwargs,
+    replica_resources,
     serve_parser,
 )
 from specstream.tokenizer import Tokenizer  # noqa: E402
@@ -104,6 +105,18 @@ def test_speculative_config_reaches_the_replicas(tmp_path: Path) -> None:
         replica_llm_kwargs(serve_parser().parse_args([
             "--ray", "-q", "5", "--speculative-config", '{"method": "ngram", '
                                                          '"num_speculative_tokens": 2}']))
+
+
+def test_tensor_parallel_replicas_reserve_a_packed_group() -> None:
+    one = replica_resources(serve_parser().parse_args(["--ray", "--replica-cpus", "2"]))
+    assert one == {"ray_actor_options": {"num_cpus": 2.0, "num_gpus": 0.0}}
+    args = serve_parser().parse_args(["--ray", "--replica-cpus", "2", "-tp", "2"])
+    tp = replica_resources(args)
+    assert tp["placement_group_bundles"] == [{"CPU": 2.0}, {"CPU": 2.0}]
+    assert tp["placement_group_strategy"] == "STRICT_PACK"
+    assert replica_llm_kwargs(args)["tensor_parallel_size"] == 2
+    gpu = replica_resources(serve_parser().parse_args(["--ray", "-tp", "4", "--device", "cuda"]))
+    assert gpu["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1.0}] * 4
 
 
 # ---- the ingress's retry policy, against fake replicas (no Ray needed) ----------------------

@@ -44,6 +44,7 @@ from specstream.server.ray_serve.deploy import (
     build_ray_app,
     ingress_config,
     replica_llm_kwargs,
+    replica_resources,
     run_ray_serve,
     serve_parser,
 )
@@ -62,7 +63,8 @@ __all__ = [
     "APP_NAME", "REPLICA_HEADER", "EngineReplica", "FreeHostKVRouter", "OpenAIIngress",
     "RemoteJob", "ReplicaPool", "add_ray_args", "app_builder", "build_ingress_app",
     "build_ray_app", "ingress_config", "pool_metrics", "rank_by_free_host_kv",
-    "replica_llm_kwargs", "replica_metrics", "run_ray_serve", "serve_parser",
+    "replica_llm_kwargs", "replica_metrics", "replica_resources", "run_ray_serve",
+    "serve_parser",
 ]
 
 

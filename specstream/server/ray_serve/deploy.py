@@ -61,6 +61,24 @@ def replica_llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {**folder, **engine_kwargs(args)}
 
 
+def replica_resources(args: argparse.Namespace) -> dict[str, Any]:
+    """What each engine replica reserves: --replica-cpus and --replica-gpus (default: a GPU on
+    cuda) for the replica, and with --tensor-parallel-size N a placement group of N such
+    bundles packed on one node (``STRICT_PACK``: the replica starts its ranks as local
+    processes), so replicas spread over a cluster's nodes with their ranks beside them."""
+    gpus = args.replica_gpus
+    if gpus is None:
+        gpus = 1.0 if str(args.device).startswith("cuda") else 0.0
+    out: dict[str, Any] = {"ray_actor_options": {"num_cpus": args.replica_cpus,
+                                                 "num_gpus": gpus}}
+    ranks = getattr(args, "tensor_parallel_size", None) or 1
+    if ranks > 1:
+        bundle = {"CPU": args.replica_cpus, **({"GPU": gpus} if gpus else {})}
+        out |= {"placement_group_bundles": [dict(bundle) for _ in range(ranks)],
+                "placement_group_strategy": "STRICT_PACK"}
+    return out
+
+
 def ingress_config(args: argparse.Namespace, model: str) -> ServerConfig:
     """The ingress's ServerConfig from ``specstream serve --ray`` arguments, as the
     single-process server builds its own: --chat-template, --generation-config (``auto``
@@ -93,16 +111,13 @@ def build_ray_app(args: argparse.Namespace) -> Application:
         print(f"specstream: request defaults from generation_config.json: "
               f"{dict(config.default_sampling)} (--generation-config vllm leaves them out)",
               file=sys.stderr)
-    gpus = args.replica_gpus
-    if gpus is None:
-        gpus = 1.0 if str(args.device).startswith("cuda") else 0.0
     router = RequestRouterConfig(
         request_router_class=ROUTER_PATH,  # type: ignore[arg-type]
         request_router_kwargs={"slack_fraction": args.routing_slack},
         request_routing_stats_period_s=args.routing_stats_period)
     engine: Any = serve.deployment(
         EngineReplica, name="SpecStreamEngine", num_replicas=args.replicas,
-        ray_actor_options={"num_cpus": args.replica_cpus, "num_gpus": gpus},
+        **replica_resources(args),
         # admission control is the engine's (--max-queue); Serve's default cap is 5
         max_ongoing_requests=config.max_queue + (args.max_num_seqs or 64),
         health_check_period_s=5.0, request_router_config=router)
