@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,14 @@ def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An unrelated smaller model: its drafts are mostly rejected, which exercises rollback."""
     return _save_qwen3(tmp_path_factory.mktemp("draft"), layers=2, hidden=32, seed=1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collect_engines_after_module() -> Iterator[None]:
+    """Engines a module's servers or fixtures left in reference cycles are freed when the module
+    ends, not at some later collection: each reserves its host tier (8 GiB of address space by
+    default), and a process holding several cannot fork (Ray's start, for one, fails with
+    ENOMEM)."""
+    yield
+    gc.collect()
+

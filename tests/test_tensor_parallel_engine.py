@@ -6,6 +6,7 @@ fails the requests in flight within seconds, with the error named."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from importlib.resources import files
 from typing import Any
 
@@ -44,10 +45,17 @@ def prompts() -> list[list[int]]:
 def _run(setting: dict[str, Any], prompts: list[list[int]], tp: int
          ) -> tuple[list[list[int]], dict[str, Any]]:
     draft = None if setting["mode"] in ("offload", "stream") else DRAFT
+    # budgets are per rank: a rank's blocks hold half the KV heads, so 1/tp of TP 1's bytes
+    # gives every rank the same number of blocks and the scheduler the same plan
+    setting = dict(setting, host_kv_bytes=(512 << 20) // tp)
+    if "device_kv_bytes" in setting:
+        setting["device_kv_bytes"] //= tp
     llm = LLM(TARGET, draft_model=draft, tensor_parallel_size=tp, **setting)
     try:
         outs = llm.generate(prompts, PARAMS, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs], llm.get_metrics()
+        metrics = llm.get_metrics()
+        metrics["round_history_bytes"] = [r.history_bytes for r in llm.engine.rounds]
+        return [o.outputs[0].token_ids for o in outs], metrics
     finally:
         llm.close()
 
@@ -62,9 +70,13 @@ def test_tp2_equals_tp1(name: str, prompts: list[list[int]]) -> None:
     if setting.get("residency") == "tail":  # the same cold history, half the KV heads a rank
         assert m1["link_bytes_h2d"] > 0
         if name != "specstream/trees" and not setting.get("host_attention"):
-            # within 2%: a rank's budget holds twice the (half-size) blocks, so the steps
-            # may be scheduled a little differently
-            assert m2["link_bytes_h2d"] * 2 == pytest.approx(m1["link_bytes_h2d"], rel=0.02)
+            # the same plan on both: the steady rounds move exactly half the bytes; the rounds
+            # right after a prefill stream what its write-backs have not yet made cold, which
+            # depends on the copy thread's timing (also from one TP 1 run to the next)
+            (steady1, _), = Counter(m1["round_history_bytes"]).most_common(1)
+            (steady2, _), = Counter(m2["round_history_bytes"]).most_common(1)
+            assert steady2 * 2 == steady1 > 0
+            assert m2["link_bytes_h2d"] * 2 == pytest.approx(m1["link_bytes_h2d"], rel=0.05)
         else:  # shapes (trees) or the host's share follow measured times
             assert m2["link_bytes_h2d"] < 0.75 * m1["link_bytes_h2d"]
     if name == "specstream/trees":

@@ -203,8 +203,7 @@ class LLMEngine:
             return out
 
     def _write_back(self, writebacks: dict[str, list[tuple[int, int]]]) -> None:
-        """A prefill chunk's tail blocks, copied right after its step (the next chunk needs
-        the room)."""
+        """A prefill chunk's tail blocks, copied right after its step (the next needs room)."""
         if writebacks:
             errors = self.worker.writeback(writebacks)
             self.scheduler.complete_writebacks(writebacks, errors)
@@ -280,6 +279,7 @@ class LLMEngine:
         if self.worker.host is not None:
             self.worker.host.close()
         self.backend.close()
+        self.store.release()
         if self.ranks is not None:
             self.ranks.close()
 

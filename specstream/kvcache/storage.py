@@ -39,6 +39,13 @@ class KVStore:
         )
         self._host_rows: list[torch.Tensor] = []
 
+    def release(self) -> None:
+        """Drop both tiers' tensors (the engine is closing): an engine object that outlives
+        its close no longer holds the memory, or the host tier's address space."""
+        self.device = self.device.new_empty(0)
+        self.host = None
+        self._host_rows = []
+
     @property
     def layer_token_bytes(self) -> int:
         """K+V bytes of one token in one layer."""
