@@ -149,6 +149,37 @@ def test_a_failed_round_fails_its_requests_and_the_engine_goes_on(
         llm.close()
 
 
+@pytest.mark.parametrize("mode", ["specstream", "offload-spec", "stream"])
+def test_a_round_failing_part_way_reports_its_own_error(tiny_target, tiny_draft, reference,
+                                                        mode, monkeypatch):
+    """A fault in the middle of the layer loop (waves issued, not all consumed) fails the round
+    with that fault's message (not the history source's own clean-up check), and the next
+    rounds stream correctly."""
+    kw = dict(draft_model=tiny_draft, num_speculative_tokens=3) if mode != "stream" else {}
+    llm = LLM(tiny_target, mode=mode, **OFFLOAD, **kw, residency="tail")  # history streams
+    history = llm.engine.worker.history
+    real, calls = history.landed, [0]
+
+    def flaky_landed(wave):
+        calls[0] += 1
+        if calls[0] == 10:
+            raise RuntimeError("injected fault mid-round")
+        return real(wave)
+
+    monkeypatch.setattr(history, "landed", flaky_landed)
+    try:
+        outs = _drive(llm, [(p, GREEDY) for p in _prompts((1, 200, 300))])
+        errors = [o.outputs[0].error for o in outs.values()
+                  if o.outputs[0].finish_reason == "error"]
+        assert calls[0] >= 10 and errors
+        assert all("injected fault mid-round" in e for e in errors), errors
+        later = _drive(llm, [(p, GREEDY) for p in _prompts((1, 200, 300))])
+        assert [_tokens(o) for o in later.values()] == reference
+        assert calls[0] > 10  # streamed again
+    finally:
+        llm.close()
+
+
 def test_speculative_counters(tiny_target, tiny_draft):
     llm = LLM(tiny_target, mode="resident", device_kv_bytes=16 << 20, draft_model=tiny_draft,
               num_speculative_tokens=3)

@@ -126,3 +126,38 @@ def test_server_reports_a_killed_rank(prompts: list[list[int]]) -> None:
         assert httpx.post(live.url + "/v1/completions", json=body, timeout=60).status_code == 503
     finally:
         live.close()
+
+
+def test_hung_rank_fails_the_requests_in_flight(prompts: list[list[int]],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that stops answering (SIGSTOP: alive, silent) fails the step in flight once the
+    all-reduce times out, then every later one at once; nothing hangs."""
+    import os
+    import signal
+
+    monkeypatch.setenv("SPECSTREAM_RANK_TIMEOUT_S", "3")
+    llm = LLM(TARGET, draft_model=DRAFT, tensor_parallel_size=2, **SETTINGS["specstream"])
+    rank = llm.engine.ranks.procs[0]
+    try:
+        assert llm.generate(prompts[:1], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+        os.kill(rank.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        outs = llm.generate(prompts[:2], PARAMS, use_tqdm=False)
+        assert time.monotonic() - t0 < 20
+        for o in outs:
+            assert o.outputs[0].finish_reason == "error"
+            assert "stopped answering" in o.outputs[0].error
+        assert rank.is_alive()  # stopped, not dead: the timeout found it
+        t0 = time.monotonic()
+        again = llm.generate(prompts[:1], PARAMS, use_tqdm=False)[0].outputs[0]
+        assert again.finish_reason == "error" and time.monotonic() - t0 < 2
+    finally:
+        os.kill(rank.pid, signal.SIGCONT)
+        llm.close()
+
+
+def test_rank_timeout_must_be_a_positive_number(monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in ("soon", "0"):
+        monkeypatch.setenv("SPECSTREAM_RANK_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match="SPECSTREAM_RANK_TIMEOUT_S"):
+            LLM(TARGET, mode="resident", tensor_parallel_size=2)

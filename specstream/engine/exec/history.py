@@ -137,8 +137,10 @@ class HistorySource(ABC):
             yield from self.landed(wave)
             self.release(wave)
 
-    def end(self) -> None:  # noqa: B027
-        """Drop per-step buffers."""
+    def end(self, completed: bool = True) -> None:  # noqa: B027
+        """Drop per-step buffers. ``completed`` is False where the round failed part way (a
+        rank stopped answering, a kernel raised): its waves may be left unconsumed, and copies
+        still in flight land before any the next step issues (one ordered queue)."""
 
     def _fail(self, exc: TransferError) -> None:
         for tag in _failed_tags(exc):

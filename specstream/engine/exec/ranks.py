@@ -10,15 +10,17 @@ runs it, every rank runs the same step (the all-reduces keep them in step), and 
 output is read. Tokens agree across ranks because every rank sees the same all-reduced logits
 and draws from generators seeded alike.
 
-A rank that dies or stops answering makes the next all-reduce fail after ``RANK_TIMEOUT_S``
-(gloo's timeout), which fails that step's requests with the error and marks the group broken:
-every later step fails at once, naming the rank (``/health`` reports the engine's error).
+A rank that dies or stops answering makes the next all-reduce fail after ``rank_timeout_s()``
+(gloo's timeout: 30 s, or ``SPECSTREAM_RANK_TIMEOUT_S``), which fails that step's requests with
+the error and marks the group broken: every later step fails at once, naming the rank
+(``/health`` reports the engine's error).
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import queue
 import socket
 from datetime import timedelta
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
     from specstream.engine.exec.worker import Worker
 
 log = logging.getLogger(__name__)
-RANK_TIMEOUT_S = 30.0  # an all-reduce waits this long for a missing rank
+RANK_TIMEOUT_S = 30.0  # an all-reduce waits this long for a missing rank (the default)
 _START_TIMEOUT_S = 300.0  # ranks import torch and load their shards before the group forms
 
 
@@ -57,6 +59,7 @@ class RankGroup:
             raise ValueError("tensor_parallel_size > 1 runs gloo ranks on cpu only: NCCL ranks "
                              "with a CUDA device each are not built yet")
         check_shardable(ModelConfig.from_dir(Path(model)), self.size)  # before any process
+        timeout_s = rank_timeout_s()
         ctx = mp.get_context("spawn")
         address = f"tcp://127.0.0.1:{_free_port()}"
         self.queues: list[Any] = [ctx.Queue() for _ in range(1, self.size)]
@@ -72,9 +75,9 @@ class RankGroup:
         except BaseException:
             self.close()
             raise
-        # from now on a missing rank fails a collective after RANK_TIMEOUT_S
+        # from now on a missing rank fails a collective after rank_timeout_s()
         self.group = dist.new_group(list(range(self.size)),
-                                    timeout=timedelta(seconds=RANK_TIMEOUT_S))
+                                    timeout=timedelta(seconds=timeout_s))
 
     def failure(self) -> str | None:
         """Why the group cannot run a step (a rank exited, or stopped answering); None."""
@@ -141,7 +144,7 @@ def rank_main(rank: int, model: str, config: EngineConfig, address: str, inbox: 
                             world_size=config.tensor_parallel_size,
                             timeout=timedelta(seconds=_START_TIMEOUT_S))
     group = dist.new_group(list(range(config.tensor_parallel_size)),
-                           timeout=timedelta(seconds=RANK_TIMEOUT_S))
+                           timeout=timedelta(seconds=rank_timeout_s()))
     engine = LLMEngine(model, config, shard=Shard(rank, config.tensor_parallel_size, group))
     parent = mp.parent_process()
     try:
@@ -164,6 +167,19 @@ def rank_main(rank: int, model: str, config: EngineConfig, address: str, inbox: 
     finally:
         engine.close()
         dist.destroy_process_group()
+
+
+def rank_timeout_s() -> float:
+    """How long a collective waits for a missing rank: ``SPECSTREAM_RANK_TIMEOUT_S`` (the ranks
+    inherit the engine's environment), else ``RANK_TIMEOUT_S``."""
+    raw = os.environ.get("SPECSTREAM_RANK_TIMEOUT_S")
+    try:
+        value = float(raw) if raw else RANK_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"SPECSTREAM_RANK_TIMEOUT_S={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"SPECSTREAM_RANK_TIMEOUT_S={raw!r} must be positive")
+    return value
 
 
 def _free_port() -> int:

@@ -186,10 +186,10 @@ class LayerRestore(HistorySource):
                 dst = to_device(seq.promote[a - lo : b - lo], torch.long, device.device)
                 device[layer].index_copy_(1, dst, device[plane, :, first + a - t : first + b - t])
 
-    def end(self) -> None:
+    def end(self, completed: bool = True) -> None:
         if self.ring is not None:
             self.copies = self.ring.issued
-            self.ring.end()
+            self.ring.end(completed)
             self.ring = None
         self.most_copies = max(self.most_copies, self.copies)
         self.handles = {}

@@ -144,5 +144,7 @@ class PieceRing:
         self.pending.popleft()
         self._fill()
 
-    def end(self) -> None:
-        assert not self.pending and not self.jobs, "restore left pieces unconsumed"
+    def end(self, completed: bool = True) -> None:
+        assert not completed or not (self.pending or self.jobs), "restore left pieces unconsumed"
+        self.pending.clear()
+        self.jobs.clear()

@@ -70,6 +70,7 @@ def run_round(
     history.begin(plan, kv.groups, link_bps)  # the first waves of cold history in flight
     if host is not None and hosted:
         host.begin_round()  # the host's idle time between layers
+    completed = False
     try:
         drafting.copies_issued()  # e.g. the other group's draft steps, enqueued on their stream
         for half in range(len(halves.buckets)):
@@ -102,10 +103,11 @@ def run_round(
                 x = halves.finish(x, half, block, atts, kv)
                 if layer + 1 < len(model.layers):
                     proj.project(layer + 1, half, x)
+        completed = True
     finally:
         if host is not None and hosted:
             host.end_round()
-        history.end()
+        history.end(completed)
     return RoundResult(model.norm(x), kv.rows, dict(history.failed), len(halves.buckets))
 
 

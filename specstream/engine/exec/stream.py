@@ -222,8 +222,11 @@ class ChunkStream(HistorySource):
         self.in_use.popleft()  # regions are handed back in issue order
         self._fill()
 
-    def end(self) -> None:
-        assert not self.pending and not self.jobs, "stream left waves unconsumed"
+    def end(self, completed: bool = True) -> None:
+        assert not completed or not (self.pending or self.jobs), "stream left waves unconsumed"
+        self.pending.clear()
+        self.jobs.clear()
+        self.in_use.clear()
 
 
 def _by_prefix(holders: dict[tuple[int, ...], list[tuple[int, int]]]
