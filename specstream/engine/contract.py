@@ -32,6 +32,8 @@ class SeqWork:
     sample: bool
     # Tokens read from the host tier (a multiple of the block size: everything before the
     # device window) and the device blocks of the window (the rest, new tokens included).
+    # Under `fill` with prefix sharing the oldest blocks may be a shared run's device copies
+    # (kvcache/shared_device.py): they lead device_blocks and host_tokens leaves them out.
     host_tokens: int
     device_blocks: tuple[int, ...]
     # The host-read history that crosses the link, as restore chunks of host block ids, oldest

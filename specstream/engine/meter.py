@@ -11,7 +11,7 @@ from specstream.engine.contract import StepMeasures, StepOutput, StepPlan, is_de
 from specstream.engine.exec.host_attention import HostAttention
 from specstream.engine.stats import EngineStats
 from specstream.engine.trace import Tracer
-from specstream.kvcache.manager import KVManager
+from specstream.kvcache.manager import CopyKind, KVManager
 from specstream.kvcache.storage import KVStore
 
 
@@ -38,6 +38,7 @@ class StepMeter:
         for seq in kv.seqs.values():
             total += seq.num_tokens
             held += -(-(seq.num_tokens - seq.first * bs) // bs)
+        held += kv.shared.held if kv.shared is not None else 0  # once for all sharers
         num_blocks = kv.device.num_blocks
         capacity = num_blocks * bs
         # unique KV: a block several requests share (prefix sharing) is held and moved once
@@ -52,6 +53,8 @@ class StepMeter:
             links = sum(layers * sum(map(len, s.restore_chunks))
                         + (layers * len(s.host_blocks) - sum(s.host_layers) if s.host_layers
                            else 0) for s in plan.seqs)
+        # a shared run's new device copies (kvcache/shared_device.py) cross the link once
+        links += layers * sum(k is CopyKind.HOST_TO_DEVICE for k, _, _ in plan.cache_copies)
         unique = links * (self.store.block_bytes // layers)
         share = max(0.0, 1.0 - capacity / total) if total else 0.0
         floor = int(history * share) * self.store.block_bytes // bs

@@ -10,11 +10,12 @@ from specstream.kvcache.prefix_cache import Entry
 
 
 class CopyKind(str, enum.Enum):
-    """Where a whole-block copy of a step goes (prefix-cache hits): within the tier the mode
-    keeps history in."""
+    """Where a whole-block copy of a step goes: within the tier the mode keeps history in
+    (prefix-cache hits), or a shared block's device copy (``shared_device.py``)."""
 
     HOST_TO_HOST = "h2h"
     DEVICE_TO_DEVICE = "d2d"
+    HOST_TO_DEVICE = "h2d"
 
 
 # A block copy the worker makes at the start of a step: kind, source block, destination block.

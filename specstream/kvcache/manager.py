@@ -36,7 +36,7 @@ the cache, counted once in the host tier, and each request holds a reference (a 
 A block two or more running requests reference (``shared_run``: the leading run of them)
 streams once a round for all of them where it crosses the link (exec/stream.py): restore
 chunks are cut where the run ends so that every sharer's chunks of it are the same blocks.
-`fill` may still promote a shared block into a sharer's device window (a copy of its own).
+Under `fill` a shared run's device copy serves all its sharers (``shared_device.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from specstream.kvcache.allocator import BlockAllocator
 from specstream.kvcache.blocks import BlockCopy, CopyKind, RestoreChunk, SeqBlocks
 from specstream.kvcache.prefix_cache import Entry, PrefixCache
 from specstream.kvcache.residency import OffloadPolicy
+from specstream.kvcache.shared_device import SharedDevice
 
 __all__ = ["BlockCopy", "CopyKind", "KVManager", "RestoreChunk", "SeqBlocks"]
 
@@ -73,6 +74,8 @@ class KVManager:
         self.seqs: dict[str, SeqBlocks] = {}
         self._pinned: list[tuple[Entry, str]] = []  # cache blocks the next step copies from
         self.promoted_blocks = 0  # blocks promoted into device windows as they passed, so far
+        # `fill`: one device copy of a shared run for all its sharers (shared_device.py)
+        self.shared = SharedDevice(self) if self.sharing and policy.fill else None
 
     # ---- queries ------------------------------------------------------------------------
     def host_tokens(self, rid: str) -> int:
@@ -159,6 +162,8 @@ class KVManager:
             host = [b for b in host if b not in taken[1]] + left_host
         self.device.free(device)
         self.host.free(host)
+        if self.shared is not None:
+            self.shared.prune()
 
     # ---- prefix cache -------------------------------------------------------------------
     def adopt_prefix(self, rid: str, prompt: list[int]) -> tuple[int, list[BlockCopy]]:
@@ -238,6 +243,10 @@ class KVManager:
         seq.refs.update(taken)
         seq.offered = end
         return len(taken)
+
+    def lead(self, rid: str) -> list[int]:
+        """Device copies of ``rid``'s oldest shared blocks (read there, not over the link)."""
+        return self.shared.lead(rid) if self.shared is not None and rid in self.seqs else []
 
     def shared_run(self, rid: str) -> int:
         """The leading host blocks of ``rid`` that another running request references too."""
@@ -370,8 +379,8 @@ class KVManager:
             self.settle(rid)
 
     def restore_chunks(self, rid: str) -> list[RestoreChunk]:
-        """The blocks of ``rid`` before its device window, in chunks of at most
-        ``chunk_tokens`` tokens."""
+        """The blocks of ``rid`` before its device window but those with a shared device copy
+        (``lead``), in chunks of at most ``chunk_tokens`` tokens."""
         seq = self.seqs.get(rid)
         if seq is None or not seq.first:
             return []
@@ -379,7 +388,8 @@ class KVManager:
         out = []
         # cut where the shared run ends: every sharer's chunks of it are the same blocks
         cut = min(self.shared_run(rid), seq.first) if seq.refs else 0
-        for lo, hi in ((0, cut), (cut, seq.first)):
+        lead = len(self.lead(rid))
+        for lo, hi in ((lead, max(cut, lead)), (max(cut, lead), seq.first)):
             for i in range(lo, hi, per_chunk):
                 blocks = tuple(seq.host_blocks[i : min(i + per_chunk, hi)])
                 out.append(RestoreChunk(blocks, i * self.block_size,

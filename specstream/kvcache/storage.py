@@ -82,10 +82,19 @@ class KVStore:
         return flat[0, :num_tokens], flat[1, :num_tokens]
 
     def copy_blocks(self, copies: tuple[BlockCopy, ...]) -> None:
-        """Whole-block copies (all layers) within a tier, synchronous: prefix-cache hits."""
+        """Whole-block copies (all layers), synchronous: within a tier (prefix-cache hits), or
+        host to device over the link (a shared block's device copy), one transfer a layer."""
         for kind in CopyKind:
             pairs = [(s, d) for k, s, d in copies if k is kind]
             if not pairs:
+                continue
+            if kind is CopyKind.HOST_TO_DEVICE:
+                host, rows = [s for s, _ in pairs], torch.tensor([d for _, d in pairs])
+                for handle in [self.restore_rows(layer, torch.tensor(host),
+                                                 self.device[layer].transpose(0, 1),
+                                                 "shared-device", rows=rows)
+                               for layer in range(self.cfg.num_layers)]:
+                    handle.wait()
                 continue
             tier = self.host if kind is CopyKind.HOST_TO_HOST else self.device
             assert tier is not None, f"{kind.value} copy without that tier"

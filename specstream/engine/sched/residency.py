@@ -16,7 +16,7 @@ from specstream.config import EngineConfig
 from specstream.engine.contract import SeqWork
 from specstream.engine.request import Request
 from specstream.engine.sched.restore_room import RestoreRoom
-from specstream.kvcache.manager import KVManager
+from specstream.kvcache.manager import BlockCopy, KVManager
 from specstream.kvcache.residency import residency_targets
 
 
@@ -31,7 +31,7 @@ class Residency:
         # layers of the history did not fit beside the floors (None: they did, as they may)
         self.restore_room: int | None = None
 
-    def rebalance(self, running: list[Request], scratch: int) -> None:
+    def rebalance(self, running: list[Request], scratch: int) -> list[BlockCopy]:
         """Share the device blocks among the running requests: each keeps at least its
         resident tail (and its blocks without a host copy); the rest of the pool, less this
         step's working room (``scratch`` blocks for prefill, the new tokens' blocks,
@@ -41,12 +41,18 @@ class Residency:
         (then those furthest over drop their oldest, which have host copies); one under its
         share gets streamed blocks promoted once the step's allocations are made
         (``promote``). A share that moves by a block for a step, or a request that comes and
-        goes, moves no more blocks than the room it needs."""
+        goes, moves no more blocks than the room it needs.
+
+        Prefix sharing: each distinct shared run takes a share as a request would (once, for
+        all its sharers: ``kvcache/shared_device.py`` holds its oldest blocks on the device),
+        and a sharer's window holds only its own blocks. Returns the host-to-device copies of
+        the shared blocks newly held, which the step makes first."""
         kv, bs = self.kv, self.config.block_size
         if not kv.policy.fill:
-            return
+            return []
         reqs = [r for r in running if r.request_id in kv.seqs]
         tail = -(-kv.policy.resident_tail_tokens // bs) + 1
+        runs = list(kv.shared.runs([r.request_id for r in reqs]).values()) if kv.shared else []
         floors, caps, growth = [], [], 0
         for r in reqs:
             seq = kv.seqs[r.request_id]
@@ -56,8 +62,11 @@ class Residency:
             else:  # the step's new tokens: its last one and the drafts it verifies
                 growth += kv.device_blocks_needed(r.request_id, len(r.draft_token_ids) + 1)
             pinned = len(seq.device_blocks) - seq.droppable
-            floors.append(min(blocks, max(tail, pinned)))
-            caps.append(blocks)
+            cap = blocks - (kv.shared.run_of(r.request_id) if kv.shared and seq.refs else 0)
+            floors.append(min(cap, max(tail, pinned)))
+            caps.append(cap)
+        floors += [0] * len(runs)
+        caps += [len(run) for run in runs]
         pool = kv.device.num_blocks - growth - scratch
         rr = self.room
 
@@ -75,8 +84,15 @@ class Residency:
         self.step_room = cost(targets) + growth
         for r, t in zip(reqs, targets):
             kv.set_target(r.request_id, t)
-        # the step's working room must be free: those furthest over their share make it
-        self.free_up(scratch + self.step_room, running)
+        # the step's working room must be free, and the shared runs' new copies need theirs:
+        # those furthest over their share make it
+        shared = list(zip(runs, targets[len(reqs):]))
+        held = kv.shared.held if kv.shared else 0
+        self.free_up(scratch + self.step_room + max(0, sum(t for _, t in shared) - held),
+                     running)
+        if kv.shared is None:
+            return []
+        return kv.shared.hold(shared, kv.device.num_free - scratch - self.step_room)
 
     def promote(self, seqs: list[SeqWork], running: list[Request]) -> list[SeqWork]:
         """Give requests of the step under their share device blocks for the newest of their

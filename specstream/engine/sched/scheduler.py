@@ -124,7 +124,8 @@ class Scheduler:
         # prefill scratch only for a prompt admitted and prefilling: one still waiting cannot
         # use it (admission just said so), and the shares make room the step it is admitted
         prefill = any(r.in_prefill for r in self.running)
-        self.residency.rebalance(self.running, self.admission.scratch_blocks if prefill else 0)
+        self._copies += self.residency.rebalance(self.running,
+                                                 self.admission.scratch_blocks if prefill else 0)
         two = self.groups.split(est)
         self.drafts.choose_shape(self.running, two)
         verify_all = not two or self.groups.prefill_verifies_all(self.running, self.kv, est)
@@ -188,14 +189,14 @@ class Scheduler:
         rid, p = req.request_id, req.params
         inputs = (*tokens, *drafts)
         self.kv.allocate(rid, len(inputs))
-        seq = self.kv.seqs[rid]
+        seq, lead = self.kv.seqs[rid], self.kv.lead(rid)  # lead: shared blocks' device copies
         start = req.num_computed_tokens
         prompt = req.prompt_token_ids
         return SeqWork(
             request_id=rid, token_ids=inputs, start_pos=start, num_drafts=len(drafts),
             prefill=req.in_prefill, sample=sample,
-            host_tokens=seq.first * self.config.block_size,
-            device_blocks=tuple(seq.device_blocks),
+            host_tokens=(seq.first - len(lead)) * self.config.block_size,
+            device_blocks=(*lead, *seq.device_blocks),
             restore_chunks=tuple(c.host_blocks for c in self.kv.restore_chunks(rid)),
             params=p, parents=tuple(req.draft_parents or ()) if drafts else (),
             output_len=len(req.output_token_ids),

@@ -1,0 +1,108 @@
+"""Prefix sharing under `fill`: one device copy of a shared run for all of its sharers.
+
+Without it a shared prefix crosses the link once a round for all its sharers (exec/stream.py),
+and the device windows hold only each request's own newest history: a window that grew into
+the shared run would be a copy per sharer, and saves nothing while any sharer still streams
+the block. Here the residency (engine/sched/residency.py) gives each distinct shared run a
+share of the device like a request's (counted once, however many read it), caps every
+sharer's window at its own blocks, and this holds the first ``target`` blocks of each run on
+the device: copied from the host once (a planned host-to-device copy at the start of the step,
+on the link like any other), then read from the device by every sharer, which streams only
+the rest of its history. A copy is freed when no running request references its block any more
+or the residency takes the room back; the host copy (the cache's) stays, so freeing
+moves no bytes.
+
+A sharer's leading blocks with a device copy come first in its step's ``device_blocks`` and
+are not host-read (``SeqWork.host_tokens`` leaves them out): attention reads the device blocks
+as one key run in which the shared blocks, all older than the request's window, precede it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from specstream.kvcache.blocks import BlockCopy, CopyKind
+from specstream.kvcache.prefix_cache import Entry
+
+if TYPE_CHECKING:
+    from specstream.kvcache.manager import KVManager
+
+
+class SharedDevice:
+    def __init__(self, kv: KVManager) -> None:
+        self.kv = kv
+        self.copies: dict[int, tuple[int, Entry]] = {}  # host block -> (device block, entry)
+
+    @property
+    def held(self) -> int:
+        return len(self.copies)
+
+    def runs(self, rids: list[str]) -> dict[int, list[int]]:
+        """The distinct shared runs of the requests ``rids`` (host blocks, oldest first), keyed
+        by their first block; a run as long as its longest sharer's."""
+        out: dict[int, list[int]] = {}
+        for rid in rids:
+            n = self.run_of(rid)
+            if n:
+                run = self.kv.seqs[rid].host_blocks[:n]
+                if len(run) > len(out.get(run[0], ())):
+                    out[run[0]] = run
+        return out
+
+    def run_of(self, rid: str) -> int:
+        """The leading blocks of ``rid`` that another running request references too, or
+        that have a device copy (kept for its last reader: streaming them again, or growing
+        its window over them, would move what is already there)."""
+        seq, n = self.kv.seqs[rid], 0
+        while n in seq.refs and (seq.refs[n].pins["host"] > 1
+                                 or seq.host_blocks[n] in self.copies):
+            n += 1
+        return n
+
+    def lead(self, rid: str) -> list[int]:
+        """The device copies of ``rid``'s leading host-read blocks (before its window), as far
+        as they run unbroken from its first block."""
+        seq, out = self.kv.seqs[rid], []
+        for n in range(seq.first):
+            copy = self.copies.get(seq.host_blocks[n]) if n in seq.refs else None
+            if copy is None:
+                break
+            out.append(copy[0])
+        return out
+
+    def hold(self, targets: list[tuple[list[int], int]], spare: int) -> list[BlockCopy]:
+        """Keep the first ``t`` blocks of each shared run ``(run, t)`` on the device, freeing
+        every other copy; new copies take at most ``spare`` free blocks, oldest block of each
+        run first. Returns the host-to-device copies the step makes before anything reads
+        them."""
+        want = {h: None for run, t in targets for h in run[:t]}
+        self.release([h for h in self.copies if h not in want])
+        copies: list[BlockCopy] = []
+        reached: set[int] = set()
+        for run, t in targets:
+            for n, h in enumerate(run[:t]):
+                if h not in self.copies:
+                    entry = self._entry(run, n)
+                    if spare <= 0 or entry is None:
+                        break  # a sharer's lead runs unbroken from its first block
+                    (d,) = self.kv.device.allocate(1)
+                    self.copies[h] = (d, entry)
+                    copies.append((CopyKind.HOST_TO_DEVICE, h, d))
+                    spare -= 1
+                reached.add(h)
+        self.release([h for h in self.copies if h not in reached])  # past a gap: unread
+        return copies
+
+    def prune(self) -> None:
+        """Free the copies of blocks no running request references now."""
+        self.release([h for h, (_, e) in self.copies.items() if e.pins["host"] < 1])
+
+    def release(self, host_blocks: list[int]) -> None:
+        self.kv.device.free([self.copies.pop(h)[0] for h in host_blocks])
+
+    def _entry(self, run: list[int], n: int) -> Entry | None:
+        """The cache entry of the ``n``-th block of ``run`` (a sharer's reference to it)."""
+        for seq in self.kv.seqs.values():
+            if n < len(seq.host_blocks) and seq.host_blocks[n] == run[n] and n in seq.refs:
+                return seq.refs[n]
+        return None
