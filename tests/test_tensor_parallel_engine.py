@@ -161,3 +161,17 @@ def test_rank_timeout_must_be_a_positive_number(monkeypatch: pytest.MonkeyPatch)
         monkeypatch.setenv("SPECSTREAM_RANK_TIMEOUT_S", bad)
         with pytest.raises(ValueError, match="SPECSTREAM_RANK_TIMEOUT_S"):
             LLM(TARGET, mode="resident", tensor_parallel_size=2)
+
+
+def test_a_shared_document_held_on_the_device_at_tp2(prompts: list[list[int]]) -> None:
+    """Prefix sharing under `fill` (the shared run's device copy, placed by every rank into its
+    own shard): TP 2 equals TP 1."""
+    doc = prompts[0][:512]
+    shared = [doc + p[:40 + 10 * i] for i, p in enumerate(prompts)]
+    setting = dict(mode="specstream", device_kv_bytes=24 << 20, **FIXED)
+    one, m1 = _run(setting, shared, 1)
+    two, _ = _run(setting, shared, 2)
+    assert two == one
+    assert m1["prefix_cache_hits_total"] >= 512
+    # all of it fits: what crossed the link is the document's device copy, placed once
+    assert 0 < m1["link_bytes_h2d"] <= 4 * 786432
