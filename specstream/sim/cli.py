@@ -143,6 +143,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     o.add_argument("--tp-table", action="store_true",
                    help="TP 1 / 2 / 4 for Qwen3-32B and Qwen3-8B on H200s and the reference's "
                    "Qwen3-32B + Qwen3-0.6B on two A800s (the table of docs/simulator.md)")
+    o.add_argument("--sharing-table", action="store_true",
+                   help="H200 + Qwen3-8B, 32 requests over one shared 32K document (+512 own "
+                   "tokens each): every offloading mode with prefix sharing off and on (the "
+                   "table of docs/simulator.md)")
     o.add_argument("--compare-residency", action="store_true",
                    help="simulate the scenario with both residencies; print link bytes per "
                    "round and throughput per mode, tail against fill")
@@ -195,7 +199,11 @@ def _calibrate(args: argparse.Namespace) -> int:
         relative_errors,
         validation_table,
     )
+    from specstream.sim.shared_replay import is_shared_bench
 
+    with open(args.calibrate) as f:
+        if is_shared_bench(json.load(f)):
+            return _calibrate_shared(args)
     scenario, results, measured = predict(args.calibrate, args.calibration_model)
     print(describe(scenario))
     costs = scenario.costs
@@ -218,6 +226,25 @@ def _calibrate(args: argparse.Namespace) -> int:
     else:
         print(comparison_table(results, measured))
         errors = relative_errors(results, measured)
+    if args.max_error is not None and any(abs(e) > args.max_error for e in errors.values()):
+        print(f"\nFAIL: a throughput error exceeds {args.max_error:.0%}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _calibrate_shared(args: argparse.Namespace) -> int:
+    """A shared-doc bench (every offloading mode, sharing off and on): the step replay of each
+    run (``sim/shared_replay.py``) against what it measured."""
+    from specstream.sim.shared_replay import shared_predictions, shared_table
+
+    data, predicted = shared_predictions(args.calibrate, args.costs_from)
+    w = data["workload"]
+    print(f"{args.calibrate}: {w['num_requests']} requests over one {w['doc_len']}-token "
+          f"document, {w['own_len']} own tokens each, {w['output_len']} output tokens; the "
+          "engine's Scheduler with a fake worker, step compute fitted on "
+          f"{args.costs_from or args.calibrate}, host attention costs on each run's own steps\n")
+    table, errors = shared_table(data, predicted)
+    print(table)
     if args.max_error is not None and any(abs(e) > args.max_error for e in errors.values()):
         print(f"\nFAIL: a throughput error exceeds {args.max_error:.0%}", file=sys.stderr)
         return 1
@@ -279,6 +306,11 @@ def run(args: argparse.Namespace) -> int:
         from specstream.sim.tensor_parallel import tp_table
 
         print(tp_table())
+        return 0
+    if args.sharing_table:
+        from specstream.sim.sharing_table import sharing_table
+
+        print(sharing_table())
         return 0
     if args.host_attention_table:
         from specstream.sim.host_table import host_table

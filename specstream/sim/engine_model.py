@@ -12,11 +12,14 @@ settings go through the bench's own ``BenchSettings.engine_kwargs``).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from types import SimpleNamespace
 from typing import Any
 
 from specstream.bench.runner import BenchSettings
 from specstream.config import EngineConfig
+from specstream.engine.contract import StepPlan
 from specstream.engine.layout import RuntimeLayout
+from specstream.engine.meter import StepMeter
 from specstream.engine.sched.scheduler import Scheduler
 from specstream.kvcache.manager import KVManager
 from specstream.models.config import ModelConfig
@@ -25,9 +28,10 @@ SIMULATED_DRAFT = "(simulated draft)"  # a draft_model name for configs that nee
 # What a run recorded before a setting existed ran with, where the engine's default has moved
 # since: two groups throughout (before they could merge); q drafts every round in chains (before
 # "auto" and trees: an absent "speculative_policy"; a None one is the auto default of its day).
-# Host attention is off unless the run names it, absent or None: the replay's step costs have
-# no host attention in them, and the engine's own default depends on the cores of the machine
-# that runs the replay, not of the one that ran the bench.
+# Host attention is off unless the run names it, absent or None: the engine's own default
+# depends on the cores of the machine that runs the replay, not of the one that ran the bench
+# (where a run attended on the host, the replay is told so, with the host's measured costs:
+# replay.setups, shared_replay.py).
 RECORDED_BEFORE = {"merge_groups": False, "speculative_policy": "fixed", "speculative_topk": 1}
 
 
@@ -74,18 +78,25 @@ def engine_config(settings: dict[str, Any], mode: str, **overrides: Any) -> Engi
 class EngineObjects:
     layout: RuntimeLayout
     scheduler: Scheduler
+    meter: StepMeter
 
     @property
     def kv(self) -> KVManager:
         return self.scheduler.kv
 
-    @property
-    def history_token_bytes(self) -> int:
-        return self.layout.block_bytes // self.layout.block_size
+    def link_bytes(self, plan: StepPlan) -> int:
+        """The history bytes ``plan`` moves over the link, read before the step runs by the
+        engine's own ``StepMeter.residency``: a block several of its requests read (a shared
+        prefix) once, as the engine's rounds move it; what the host attends excluded."""
+        return self.meter.residency(plan)[2]
 
 
 def build(config: EngineConfig, geometry: Geometry) -> EngineObjects:
     """Layout, KV manager and scheduler as ``LLMEngine.__init__`` builds them."""
     layout = RuntimeLayout.build(config, geometry.model_config(), 1, frozenset())
     scheduler = Scheduler.for_layout(config, layout)
-    return EngineObjects(layout, scheduler)
+    # the meter's residency reads only the store's block geometry; no tensors are allocated
+    store = SimpleNamespace(block_size=layout.block_size, block_bytes=layout.block_bytes,
+                            cfg=SimpleNamespace(num_layers=geometry.num_layers))
+    meter = StepMeter(None, store, scheduler.kv, None, None, None)  # type: ignore[arg-type]
+    return EngineObjects(layout, scheduler, meter)

@@ -18,6 +18,10 @@ Per mode, on the (target) device:
 Host: the cold history (``tail``), or every request's whole history (``fill``: each block is
 written through to the host once, so shrinking a request's share never moves bytes back).
 ``fill`` admits on the minimum device room (floors + buffers), the rest is residency.
+
+Prefix sharing (``shared``: leading tokens every request of the batch shares; ``tail`` only):
+the host holds the shared prefix's cold blocks once, and a restore sub-batch needs room for
+them once plus each request's own cold history.
 """
 
 from __future__ import annotations
@@ -55,9 +59,13 @@ def _resident_bytes(mode: str, costs: Costs, policy: SimPolicy, ctx: float) -> t
     return hot * kv_t + (draft if mode != "offload" else 0.0), 0.0
 
 
-def plan(mode: str, costs: Costs, policy: SimPolicy, contexts: Sequence[float]) -> MemoryPlan:
-    """Memory of a batch whose requests have the given (peak) context lengths."""
+def plan(mode: str, costs: Costs, policy: SimPolicy, contexts: Sequence[float],
+         shared: float = 0.0) -> MemoryPlan:
+    """Memory of a batch whose requests have the given (peak) context lengths, the first
+    ``shared`` tokens of each the same blocks (prefix sharing, ``tail`` residency only)."""
     if policy.residency == "fill" and mode in OFFLOAD_MODES:
+        if shared:
+            raise ValueError("prefix sharing is modelled under residency tail only")
         return _fill_plan(mode, costs, policy, contexts)
     kv_t = costs.kv_bytes("target")
     weights = costs.weight_bytes("target")
@@ -68,7 +76,10 @@ def plan(mode: str, costs: Costs, policy: SimPolicy, contexts: Sequence[float]) 
     device = weights + sum(p[0] for p in per_req)
     draft_dev = draft_weights + sum(p[1] for p in per_req) if mode == "parallel-spec" else 0.0
     cold = [policy.cold_tokens(mode, c) * kv_t for c in contexts]
-    host = sum(cold)
+    # the shared prefix is the oldest history, so cold first; held (and restored) once
+    once = max((min(shared * kv_t, x) for x in cold), default=0.0)
+    own = [x - min(shared * kv_t, x) for x in cold]
+    host = sum(own) + once
     budget = costs.device_budget_bytes
     sub_batch = len(contexts)
     if mode in STREAM_MODES and host > 0:
@@ -76,7 +87,7 @@ def plan(mode: str, costs: Costs, policy: SimPolicy, contexts: Sequence[float]) 
         per_layer = kv_t / costs.layers("target")
         device += policy.staging_buffers * policy.chunk_tokens * group * per_layer
     elif host > 0:  # full restore: as many requests' cold KV as the free memory holds
-        largest_first = list(itertools.accumulate(sorted(cold, reverse=True)))
+        largest_first = [once + x for x in itertools.accumulate(sorted(own, reverse=True))]
         sub_batch = bisect.bisect_right(largest_first, budget - device)
         device += largest_first[max(sub_batch, 1) - 1]
     fits = (device <= budget and host <= costs.host_budget_bytes

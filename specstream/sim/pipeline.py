@@ -12,7 +12,10 @@ Conventions shared by the builders:
 - every copy on the link pays ``link_copy_s`` (a DMA's fixed cost): one per request per layer
   in the restore modes, one per request per chunk per layer in the stream modes;
 - a request's cold history (``Batch.cold``: what its tail, or in ``fill`` its share of the free
-  device memory, does not keep) crosses the link once per round;
+  device memory, does not keep) crosses the link once per round; a prefix every request of
+  the batch shares (``Batch.shared``, prefix sharing) crosses it once per verification for
+  all the requests verified together (``Batch.link_cold``), and each of them still attends
+  all of it;
 - round 0 starts with its drafts already made (the pipeline fill), so the steady state is
   measured between the ends of group 0's verification in the first and last rounds.
 """
@@ -30,7 +33,7 @@ from specstream.sim.costs import Costs
 from specstream.sim.events import Graph, Task
 from specstream.sim.host import HostSplit, host_split
 from specstream.sim.memory import MemoryPlan, plan
-from specstream.sim.policy import SimPolicy, check_mode
+from specstream.sim.policy import STREAM_MODES, SimPolicy, check_mode
 
 MAX_CHUNKS = 32  # chunks per layer are coarsened past this, to bound the task count
 
@@ -47,6 +50,9 @@ class Batch:
     # the engine's round shape (engine/policy/round_shape.py); None: Shape(q)
     shape: Shape | None = None
     host: bool = False  # streamed modes: the host attends its share of the cold history
+    # leading tokens every request's context shares (one document): prefix sharing moves
+    # their cold part once per verification (0: nothing shared, every request its own copy)
+    shared: float = 0.0
 
     @cached_property
     def split(self) -> HostSplit:
@@ -77,14 +83,34 @@ class Batch:
     @cached_property
     def memory(self) -> MemoryPlan:
         """Where the batch's KV lives: the restore sub-batch and the fill residency level."""
-        return plan(self.mode, self.costs, self.policy, self.contexts)
+        return plan(self.mode, self.costs, self.policy, self.contexts, self.shared)
 
     def cold(self, ctx: float) -> float:
         """Tokens of a request's history that cross the link each round."""
         return self.policy.cold_tokens(self.mode, ctx, self.memory.share)
 
+    @property
+    def sharers(self) -> float:
+        """Requests one verification covers, on average: a group (specstream,
+        parallel-spec: two), within it a restore sub-batch (restore modes); they read one copy
+        of the shared prefix."""
+        n = len(self.contexts)
+        grouped = self.mode in ("specstream", "parallel-spec")
+        groups = min(self.policy.groups, n) if grouped else 1
+        pieces = 1 if self.mode in STREAM_MODES else math.ceil(
+            math.ceil(n / groups) / self.memory.sub_batch)
+        return n / (groups * pieces)
+
     def link_cold(self, ctx: float) -> float:
-        """Tokens of the cold history that cross the link (the rest the host attends)."""
+        """Tokens of the cold history that cross the link (the rest the host attends): a
+        request's own, and its part of the one copy of the shared prefix its verification
+        moves for all its sharers."""
+        cold = self.cold(ctx)
+        shared = min(self.shared, cold)  # the prefix is the oldest history: cold first
+        return (cold - shared * (1.0 - 1.0 / max(1.0, self.sharers))) * (1.0 - self.split.share)
+
+    def attended_cold(self, ctx: float) -> float:
+        """Tokens of the cold history that the device attends (all of it, shared or not)."""
         return self.cold(ctx) * (1.0 - self.split.share)
 
     def host_s(self, ctx: Sequence[float]) -> float:
@@ -264,6 +290,7 @@ def _stream(g: Graph, b: Batch, gaps: bool) -> list[int]:
                     _chain(g, draft_prev, name="draft", resource="compute", duration=step,
                            kind="draft", group=gi, round=r, priority=1)
             cold = [b.link_cold(x) for x in ctx]  # what streams; the host attends the rest
+            attend = sum(map(b.attended_cold, ctx)) / sum(cold) if sum(cold) else 1.0
             host = b.host_s(ctx) / layers
             chunk = max(p.chunk_tokens, math.ceil(max(cold) / MAX_CHUNKS))
             n_chunks = math.ceil(max(cold) / chunk)
@@ -294,7 +321,8 @@ def _stream(g: Graph, b: Batch, gaps: bool) -> list[int]:
                     link = _chain(g, link_prev, name=f"L{layer} c{k}", resource="link",
                                   duration=tokens * c.kv_bytes("target") / layers / c.link_bw
                                   + copy_s, kind="link", group=gi, round=r, deps=free_slot)
-                    attn = c.attention_s("target", b.positions, tokens) / layers
+                    # every request attends its whole cold history, shared chunks included
+                    attn = c.attention_s("target", b.positions, tokens * attend) / layers
                     attn_ids.append(_chain(g, verify_prev, name=f"L{layer} c{k} attn",
                                            resource="compute", duration=attn * slow,
                                            kind="verify", group=gi, round=r, deps=[link]))

@@ -36,6 +36,7 @@ from specstream.engine.request import Request
 from specstream.sampling_params import SamplingParams
 from specstream.sim.engine_model import Geometry, build, engine_config
 from specstream.sim.fake_worker import TOKEN, FakeWorker
+from specstream.sim.host_replay import HostModel
 from specstream.sim.serving import ModeResult
 from specstream.sim.step_cost import StepCost, StepFeatures, fit_modes
 from specstream.sim.workload import AcceptanceModel
@@ -44,6 +45,7 @@ SEEDS = 16  # acceptance draws the replay averages over
 MAX_STEPS = 1_000_000
 # Ablations the engine has no mode for: (engine mode, how its history moves instead)
 ABLATIONS = {"offload-spec-restore-all": ("offload-spec", "restore-all")}
+PREFIX_TOKEN = TOKEN - 1  # the shared prefix's token (no request's own tokens are this one)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,25 @@ class ReplaySetup:
     acceptance: AcceptanceModel
     cost: StepCost
     link_bw: float  # host-to-device bytes/s
+    # leading prompt tokens every request has in common (one document, one system prompt:
+    # the same token ids, so the engine's prefix cache and prefix sharing see them); 0: none
+    shared_prefix: int = 0
+    # the host's attention costs when the run attended cold history on the host (the config
+    # then has host attention on); None: everything cold crosses the link
+    host: HostModel | None = None
+
+    def __post_init__(self) -> None:
+        if self.shared_prefix > min(self.prompts, default=0):
+            raise ValueError(f"a {self.shared_prefix}-token shared prefix is longer than the "
+                             f"shortest prompt ({min(self.prompts)})")
+        if (self.host is not None) != self.config.host_attends:
+            raise ValueError("give a HostModel exactly when the config attends on the host")
+
+    def prompt_ids(self) -> list[list[int]]:
+        """Each request's prompt: the shared prefix, then tokens of its own (distinct prompts,
+        as the bench's: no request shares more than the prefix with another)."""
+        d = self.shared_prefix
+        return [[PREFIX_TOKEN] * d + [TOKEN + 1 + i] * (n - d) for i, n in enumerate(self.prompts)]
 
     @property
     def history(self) -> str:
@@ -74,6 +95,8 @@ class ReplayRun:
     steps: dict[str, int] = field(default_factory=dict)  # decode, prefill-only, mixed
     shapes: dict[int, int] = field(default_factory=dict)  # auto policy: depth -> rounds
     records: list[StepFeatures] = field(default_factory=list)  # every step (``record``)
+    # history over the link per verification round (the bench's ``link_bytes_per_round``)
+    link_bytes_per_round: float = 0.0
 
 
 def replay(s: ReplaySetup, seed: int = 0, record: bool = False) -> ReplayRun:
@@ -84,38 +107,50 @@ def replay(s: ReplaySetup, seed: int = 0, record: bool = False) -> ReplayRun:
     feedback = RoundFeedback(cfg, sched.shaper, link_bps=s.link_bw)
     worker = FakeWorker(s.acceptance, np.random.default_rng(seed))
     params = SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True)
-    for i, n in enumerate(s.prompts):
-        # distinct prompts (as the bench's): no request shares a cached prefix with another
-        sched.add(Request(str(i), [TOKEN + 1 + i] * n, params))
+    for i, ids in enumerate(s.prompt_ids()):
+        sched.add(Request(str(i), ids, params))
+    block_bytes, layers = eng.layout.block_bytes, s.geometry.num_layers
     first: dict[str, float] = {}
     finish: dict[str, float] = {}
     now = link_busy = decode_time = 0.0
     steps = {"decode": 0, "prefill-only": 0, "mixed": 0}
-    idle = admitted = 0
+    idle = admitted = verify_rounds = 0
+    verify_bytes = 0.0
     records: list[StepFeatures] = []
     for _ in range(MAX_STEPS):
         if not sched.has_work():
             break
         plan = sched.schedule(feedback.estimates())
         admitted = max(admitted, len(sched.running))
+        link_bytes = eng.link_bytes(plan)  # before the step changes what lives where
         out = worker.run(plan)
-        f = StepFeatures.of_step(plan, out, eng.history_token_bytes, s.geometry.num_layers,
-                                 s.history, cfg.wave_requests)
+        f = StepFeatures.of_step(plan, out, link_bytes, layers, s.history, cfg.wave_requests)
         update = sched.update(plan, out)
         if update.writebacks:  # a prefill chunk's blocks, copied right after the step
             f = replace(f, writeback_bytes=sum(len(p) for p in update.writebacks.values())
                         * eng.layout.block_bytes)
             sched.complete_writebacks(update.writebacks, {})
         wall, compute, link = s.cost.seconds(f, s.link_bw)
+        draft = s.cost.compute_s(f)[1]
+        jobs = s.host.jobs(plan, block_bytes, layers) if s.host is not None else ()
+        host_s = sum(t for _, t, _ in jobs)
+        host_wait = 0.0
+        if s.host is not None:  # the host's partials, side by side with the link's waves
+            link_wait = wall - compute - f.writeback_bytes / s.link_bw
+            host_wait = max(0.0, s.host.wait_s(host_s, compute - draft) - link_wait)
+            wall += host_wait
         now += wall
         if record:
             records.append(f)
         decode = is_decode_step(plan, out)
         feedback.observe(plan, out, StepMeasures(
-            wall_s=wall, wait_s=wall - compute, draft_s=s.cost.compute_s(f)[1],
+            wall_s=wall, wait_s=wall - compute - host_wait, draft_s=draft,
             link_busy_s=link, link_bytes=int(f.history_bytes + f.writeback_bytes),
             history_bytes=int(f.history_bytes), prefill_tokens=int(f.prefill_tokens),
-            decode=decode))
+            decode=decode, host_attends=s.host is not None,
+            host_bytes=sum(n for _, _, n in jobs), host_busy_s=host_s, host_wait_s=host_wait,
+            host_serial_s=(s.host.serial_share * (compute - draft) if s.host else 0.0),
+            host_jobs=jobs))
         if not decode and not f.prefill_tokens:
             idle += 1
             if idle > 1000:
@@ -124,6 +159,8 @@ def replay(s: ReplaySetup, seed: int = 0, record: bool = False) -> ReplayRun:
         idle = 0
         if decode:
             steps["mixed" if f.prefill_tokens else "decode"] += 1
+            verify_rounds += bool(plan.seqs)
+            verify_bytes += f.history_bytes if plan.seqs else 0.0
             link_busy += min(link, wall)
             decode_time += wall
         else:
@@ -148,7 +185,8 @@ def replay(s: ReplaySetup, seed: int = 0, record: bool = False) -> ReplayRun:
         tpot_s=float(np.percentile(tpots, 50)), makespan_s=now,
         link_utilisation=link_busy / decode_time if decode_time else 0.0, round=None)
     shapes = dict(sched.shaper.chosen) if sched.shaper is not None else {}
-    return ReplayRun(result, steps, shapes, records)
+    return ReplayRun(result, steps, shapes, records,
+                     verify_bytes / verify_rounds if verify_rounds else 0.0)
 
 
 def replay_mean(s: ReplaySetup, seeds: int | None = None) -> ReplayRun:
@@ -167,7 +205,8 @@ def replay_mean(s: ReplaySetup, seeds: int | None = None) -> ReplayRun:
     for r in runs:
         for depth, n in r.shapes.items():
             shapes[depth] = shapes.get(depth, 0) + n
-    return ReplayRun(result, steps, shapes)
+    return ReplayRun(result, steps, shapes,
+                     link_bytes_per_round=float(np.mean([r.link_bytes_per_round for r in runs])))
 
 
 # ---- a bench JSON as replay setups ---------------------------------------------------------
@@ -224,10 +263,15 @@ def setups(data: dict[str, Any], costs_from: dict[str, Any] | None = None,
     for mode, m in data.get("modes", {}).items():
         if (modes is not None and mode not in modes) or not m.get("rounds") or mode not in costs:
             continue
+        config, host = engine_config(settings, mode), None
+        if config.host_attends:  # the run named host attention: its host's measured costs
+            host = HostModel.of_steps(list(m["rounds"]) + list(m.get("prefill_steps") or ()))
+            if host is None:  # it attended nothing on the host
+                config = engine_config(settings, mode, host_attention="off")
         out[mode] = ReplaySetup(
-            mode=mode, config=engine_config(settings, mode), geometry=geometry_of(cal),
+            mode=mode, config=config, geometry=geometry_of(cal),
             prompts=prompts_of(cal), output_len=int(cal["workload"]["output_len"]),
-            acceptance=acceptance_of(data), cost=costs[mode], link_bw=link_bw)
+            acceptance=acceptance_of(data), cost=costs[mode], link_bw=link_bw, host=host)
     return out
 
 

@@ -72,18 +72,22 @@ def _verify_wait(tasks: Sequence[Task], t0: float, t1: float) -> float:
 
 def simulate_round(mode: str, costs: Costs, policy: SimPolicy, contexts: Sequence[float],
                    q: int, acceptance: AcceptanceModel, shape: Shape | None = None,
-                   estimate: AcceptanceEstimate | None = None) -> RoundResult:
+                   estimate: AcceptanceEstimate | None = None, shared: float = 0.0
+                   ) -> RoundResult:
     """Simulate ``policy.rounds`` rounds of the batch and measure the steady state.
 
     ``shape``: the round's shape (a chain or a token tree, the engine's ``Shape``) instead of a
     chain of ``q``; its tokens per round are the engine's ``expected_tokens`` under
-    ``estimate`` (acceptance by rank), or ``acceptance`` for a chain without one."""
+    ``estimate`` (acceptance by rank), or ``acceptance`` for a chain without one. ``shared``:
+    leading tokens every request's context shares, moved once per verification
+    (``Batch.shared``: prefix sharing)."""
     check_mode(mode)
     if not contexts:
         raise ValueError("a round needs at least one request")
     if shape is not None:
         q = shape.num_nodes
-    batch = Batch(costs, policy, tuple(float(c) for c in contexts), q, mode, shape)
+    batch = Batch(costs, policy, tuple(float(c) for c in contexts), q, mode, shape,
+                  shared=shared)
     if policy.host_attention == "auto" and mode in STREAM_MODES:
         split = replace(batch, host=True)
         if split.split.host_rate > 0:  # auto: host attention only where it pays
@@ -127,8 +131,9 @@ def _run(batch: Batch, acceptance: AcceptanceModel,
 
 
 def best_round(mode: str, costs: Costs, policy: SimPolicy, contexts: Sequence[float],
-               acceptance: AcceptanceModel) -> RoundResult:
-    """The round at the q (from the policy's candidates) that gives the most tokens/s."""
-    results = [simulate_round(mode, costs, policy, contexts, q, acceptance)
+               acceptance: AcceptanceModel, shared: float = 0.0) -> RoundResult:
+    """The round at the q (from the policy's candidates) that gives the most tokens/s
+    (``shared``: as ``simulate_round``)."""
+    results = [simulate_round(mode, costs, policy, contexts, q, acceptance, shared=shared)
                for q in policy.candidate_qs(mode)]
     return max(results, key=lambda r: r.tokens_per_s)

@@ -99,19 +99,24 @@ class StepFeatures:
                    draft_fed_tokens=float(r.get("draft_fed_tokens", 0)))
 
     @classmethod
-    def of_step(cls, plan: StepPlan, out: StepOutput, token_bytes: int, layers: int,
+    def of_step(cls, plan: StepPlan, out: StepOutput, link_bytes: int, layers: int,
                 history: str, wave_requests: int) -> StepFeatures:
         """A simulated step: the plan the scheduler made and the output the worker gave.
-        ``history``: how the mode moves it ("restore", "stream", "restore-all" or "none")."""
+        ``link_bytes``: the history it moves over the link (a shared block once,
+        ``EngineObjects.link_bytes``); ``history``: how the mode moves it ("restore",
+        "stream", "restore-all" or "none")."""
         lens = [(s.start_pos, len(s.token_ids)) for s in plan.seqs]
-        chunks = [len(s.restore_chunks) for s in plan.seqs if s.restore_chunks]
+        chunks = [s.restore_chunks for s in plan.seqs if s.restore_chunks]
         if not chunks or history == "none":
             units = 0
         elif history == "restore":
             units = layers
-        elif history == "stream":  # per layer, wave j holds the j-th chunk of <= W requests
-            units = layers * sum(math.ceil(sum(c > j for c in chunks) / wave_requests)
-                                 for j in range(max(chunks)))
+        elif history == "stream":
+            # per layer, wave j holds the distinct j-th chunks of <= W requests (requests
+            # whose j-th chunk is the same blocks, a shared prefix, share one copy of it)
+            units = layers * sum(
+                math.ceil(len({c[j] for c in chunks if len(c) > j}) / wave_requests)
+                for j in range(max(map(len, chunks))))
         else:
             units = 1
         drafts = [d for d in out.drafts.values() if d]
@@ -119,7 +124,7 @@ class StepFeatures:
             query_tokens=plan.num_tokens, attention_pairs=sum(n * (p + n) for p, n in lens),
             context_tokens=sum(p + n for p, n in lens), num_seqs=len(plan.seqs),
             draft_tokens=sum(len(d) for d in drafts), draft_seqs=len(drafts),
-            history_bytes=sum(s.host_tokens for s in plan.seqs) * token_bytes, units=units,
+            history_bytes=float(link_bytes), units=units,
             prefill_tokens=sum(n for s, (_, n) in zip(plan.seqs, lens) if s.prefill),
             draft_fed_tokens=sum(d.unseen for d in plan.drafts if out.drafts.get(d.request_id)))
 
