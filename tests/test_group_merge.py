@@ -66,3 +66,32 @@ def test_merging_can_be_turned_off(tiny_target, reference):
     assert got == reference and m["merged_group_steps"] == 0
     args = build_parser().parse_args(["bench", "--no-merge-groups"])
     assert args.no_merge_groups
+
+
+def _shared_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(2)
+    doc = torch.randint(0, 128, (320,), generator=g).tolist()
+    return [doc + torch.randint(0, 128, (16 + 8 * i,), generator=g).tolist() for i in range(4)]
+
+
+@pytest.mark.parametrize("sharing", [True, False])
+def test_a_document_both_groups_read_merges_them(tiny_target, sharing):
+    """A slow link, every request reading one shared document: two groups would move it twice
+    a period, more link time than drafting after a merged round costs, so they merge; without
+    sharing each request moves its own copy either way, and the groups stay two."""
+    prompts = _shared_prompts()
+    ref = LLM(tiny_target, mode="resident", device_kv_bytes=4_000_000, block_size=16)
+    try:
+        want = [o.outputs[0].token_ids for o in ref.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        ref.close()
+    llm = LLM(tiny_target, mode="specstream", proposer="ngram", link_gbps=0.005,
+              prefix_sharing=sharing, **{**OFFLOAD, "device_kv_bytes": 1_500_000})  # 4 at once
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        m = llm.get_metrics()
+    finally:
+        llm.close()
+    assert got == want
+    assert m["max_concurrency"] == 4
+    assert (m["merged_group_steps"] > 0) is sharing

@@ -179,16 +179,20 @@ class RoundCosts:
         return transfer_s(num_requests * self.cold_bytes, self.link_bps, per_byte,
                           self.host_serial_s)
 
+    def draft_s(self, shape: Shape, num_requests: int) -> float:
+        """The draft forwards of ``shape`` for ``num_requests`` requests (0: no drafts)."""
+        if not shape.depth:
+            return 0.0
+        per_level = num_requests * shape.num_nodes / shape.levels
+        return (shape.levels * (self.draft_level_s + self.draft_per_node_s * per_level)
+                + self.draft_setup_s)
+
     def round_s(self, shape: Shape, num_requests: int, drafting: str) -> float:
         link = self.history_s(shape, num_requests)
         positions = num_requests * (1 + shape.num_nodes)
         verify = (self.verify_base_s + self.verify_per_request_s * num_requests
                   + self.verify_per_position_s * positions)
-        draft = 0.0
-        if shape.depth:
-            per_level = num_requests * shape.num_nodes / shape.levels
-            draft = shape.levels * (self.draft_level_s + self.draft_per_node_s * per_level)
-            draft += self.draft_setup_s
+        draft = self.draft_s(shape, num_requests)
         if drafting is Drafting.GAPS:
             return max(link, verify + draft)
         if drafting is Drafting.PARALLEL:

@@ -223,6 +223,11 @@ class RoundShaper:
                           draft_level_s=da, draft_per_node_s=db,
                           draft_setup_s=self._catch_up_s(catch_up), **host)
 
+    def draft_s(self, shape: Shape, num_requests: int) -> float | None:
+        """The draft forwards of ``shape`` for ``num_requests`` requests, as measured (None:
+        no draft forward measured yet)."""
+        return self.costs().draft_s(shape, num_requests) if self.draft.n else None
+
     def shape(self, num_requests: int, catch_up: float = 0.0) -> Shape:
         """The drafts' shape for the next round of ``num_requests`` verified requests.
         ``catch_up``: the tokens the draft must feed before drafting for them (what it has not

@@ -3,9 +3,17 @@
 Drafting for a request's next round needs this round's outcome, so `specstream` (drafts in the
 link's gaps) and `parallel-spec` (drafts on a second device) split the decoding requests into
 two groups that alternate: each step verifies one group while the other's drafts are made.
+
+With prefix sharing a split has a price of its own: a shared run that requests of both groups
+read crosses the link once per group's round, twice a period, where one group's round moves
+it once. `specstream` merges its groups while that second crossing costs more link time than
+merging exposes of drafting (the drafts of every request, made after the merged round instead
+of in the link's gaps: the round-shape policy's measured draft costs).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from specstream.engine.policy.feedback import Estimates
 from specstream.engine.request import Request
@@ -23,15 +31,35 @@ class Groups:
         self._parity = 0
         self.merged_steps = 0  # steps that verified every request because the link hid nothing
 
-    def split(self, est: Estimates) -> bool:
+    def split(self, est: Estimates, running: Sequence[Request] = (),
+              kv: KVManager | None = None, exposed_draft_s: float | None = None) -> bool:
         """Whether this step runs as two groups (else every decoding request verifies in it
-        and drafts right after)."""
+        and drafts right after). ``exposed_draft_s``: what drafting for every decoding request
+        after a merged round would take (None: not measured; no merging for sharing then)."""
         if not self.enabled:
             return False
-        if self.merges and not est.link_bound:
+        if self.merges and (not est.link_bound or (
+                exposed_draft_s is not None and kv is not None
+                and self.doubled_s(running, kv, est) > exposed_draft_s)):
             self.merged_steps += 1
             return False
         return True
+
+    def doubled_s(self, running: Sequence[Request], kv: KVManager, est: Estimates) -> float:
+        """Link seconds a two-group period spends moving shared blocks a second time: the
+        cold shared blocks (not held on the device) that decoding requests of both groups
+        read."""
+        if not (kv.sharing and est.link_bps and kv.duplicate_blocks()):
+            return 0.0
+        read: tuple[set[int], set[int]] = (set(), set())
+        for r in running:
+            seq = kv.seqs.get(r.request_id)
+            if r.in_prefill or r.group < 0 or seq is None:
+                continue
+            run = min(kv.shared_run(r.request_id), seq.first)
+            read[r.group].update(seq.host_blocks[len(kv.lead(r.request_id)) : run])
+        tokens = len(read[0] & read[1]) * kv.block_size
+        return tokens * self.history_token_bytes / est.link_bps
 
     @staticmethod
     def assign(req: Request, running: list[Request]) -> None:

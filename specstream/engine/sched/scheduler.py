@@ -126,7 +126,9 @@ class Scheduler:
         prefill = any(r.in_prefill for r in self.running)
         self._copies += self.residency.rebalance(self.running,
                                                  self.admission.scratch_blocks if prefill else 0)
-        two = self.groups.split(est)
+        decoding = sum(not r.in_prefill for r in self.running)
+        draft_s = self.shaper.draft_s(self.drafts.shape, decoding) if self.shaper else None
+        two = self.groups.split(est, self.running, self.kv, draft_s)
         self.drafts.choose_shape(self.running, two)
         verify_all = not two or self.groups.prefill_verifies_all(self.running, self.kv, est)
         seqs = self._batch(None if verify_all else self.groups.to_verify(self.running))
