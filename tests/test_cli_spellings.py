@@ -191,3 +191,19 @@ def test_generate_seed_seeds_the_engine_and_the_request(llm: LLM, capsys: Any) -
 
     assert cli == sampled(3)  # the request's own generator, seeded 3
     assert cli != sampled(4)
+
+
+def test_a_flag_on_the_command_line_wins_over_the_preset() -> None:
+    """--preset link-bound sets the link, the residency, the output length and the staging
+    ring where the command line does not; a flag given wins (--residency fill with it runs
+    fill, as a user asking for it expects)."""
+    from specstream.bench.cli import DEFAULT_LINK_GBPS, settings_from
+
+    def settings(*words: str) -> Any:
+        return settings_from(build_parser().parse_args(["bench", "--device", "cpu", *words]))
+
+    plain, preset = settings(), settings("--preset", "link-bound")
+    assert (plain.residency, plain.link_gbps) == ("fill", DEFAULT_LINK_GBPS)
+    assert (preset.residency, preset.link_gbps, preset.staging_buffers) == ("tail", 0.1, 4)
+    mine = settings("--preset", "link-bound", "--residency", "fill", "--staging-buffers", "2")
+    assert (mine.residency, mine.link_gbps, mine.staging_buffers) == ("fill", 0.1, 2)

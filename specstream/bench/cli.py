@@ -50,6 +50,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "link-bound": {"link_gbps": 0.1, "residency": "tail", "output_len": 64,
                    "staging_buffers": 4},
 }
+# The flags a preset sets, by their values without one (a flag on the command line wins:
+# ``apply_preset``; --output-len's None is the workload's own length)
+PRESET_DEFAULTS: dict[str, Any] = {"link_gbps": DEFAULT_LINK_GBPS, "residency": "fill",
+                                   "staging_buffers": BenchSettings.staging_buffers}
 
 COLUMNS = [
     ("mode", "{}"), ("output_tokens_per_s", "{:.1f}"),
@@ -113,18 +117,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="turn automatic prefix caching off in every run (multiturn: run only "
                         "without the cache; by default it runs every mode with and without)")
-    p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS,
-                   help="emulated link bandwidth of the cpu backend, GB/s (ignored on cuda)")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="emulated link bandwidth of the cpu backend, GB/s (ignored on cuda; "
+                        f"default: {DEFAULT_LINK_GBPS}, or the preset's)")
     p.add_argument("--device-kv-bytes", type=float, default=64 << 20,
                    help="device KV budget of every mode, bytes")
     p.add_argument("--device-kv-fraction", type=float, default=None, metavar="F",
                    help="device KV budget of every mode = F x the workload's KV (every "
                         "request's prompt and output); overrides --device-kv-bytes. The "
                         "resident reference then runs on a budget that holds the whole workload")
-    p.add_argument("--residency", choices=["fill", "tail"], default="fill",
+    p.add_argument("--residency", choices=["fill", "tail"], default=None,
                    help="what the offloading modes keep on the device: fill (free device "
                         "blocks hold the newest history; only the overflow streams) or tail "
-                        "(a fixed resident tail per request)")
+                        "(a fixed resident tail per request; default: fill, or the preset's)")
     p.add_argument("-q", "--num-speculative-tokens", type=int, default=None,
                    help="draft tokens per round in the speculative modes (a tree's depth; "
                         "default: the engine's, up to 8 under auto, 4 under fixed)")
@@ -140,8 +145,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "'fixed' drafts -q every round (default: the engine's, auto)")
     p.add_argument("--chunk-tokens", type=int, default=BenchSettings.chunk_tokens,
                    help="tokens per streamed restore chunk")
-    p.add_argument("--staging-buffers", type=int, default=BenchSettings.staging_buffers,
-                   help="chunk-wave slots in the staging ring of specstream")
+    p.add_argument("--staging-buffers", type=int, default=None,
+                   help="chunk-wave slots in the staging ring of specstream (default: "
+                        f"{BenchSettings.staging_buffers}, or the preset's)")
     p.add_argument("--wave-requests", type=int, default=BenchSettings.wave_requests,
                    help="requests per chunk wave (a staging slot holds one chunk of each)")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
@@ -163,9 +169,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="balanced: the defaults; link-bound: residency tail over a 0.1 GB/s link "
                         "and 64 output tokens, a round's link time 21-27x its verification, "
-                        "as on an H200 with an 8B target, four staging slots (overrides "
-                        "--link-gbps, --residency, --output-len and --staging-buffers; default: "
-                        "none)")
+                        "as on an H200 with an 8B target, four staging slots (sets --link-gbps, "
+                        "--residency, --output-len and --staging-buffers where the command "
+                        "line does not; default: none)")
     p.add_argument("--ladder", action="store_true",
                    help="the ablation ladder: offload-spec (q = 4) -> + streaming -> + drafting "
                         "in the gaps -> + adaptive chain -> + trees, one run each")
@@ -179,7 +185,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def apply_preset(args: argparse.Namespace) -> None:
+    """The preset's values for the flags the command line left unset, then the defaults."""
+    for k, v in [*PRESETS.get(args.preset or "", {}).items(), *PRESET_DEFAULTS.items()]:
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+
+
 def settings_from(args: argparse.Namespace) -> BenchSettings:
+    apply_preset(args)
     # resolved here, so the settings (and the results JSON) name the device the run used
     device = detect_device() if args.device == "auto" else args.device
     return BenchSettings(
@@ -287,8 +301,7 @@ def run(args: argparse.Namespace) -> int:
                          "and --device-kv-fraction")
     if args.sweep_residency and args.device_kv_fraction is not None:
         raise ValueError("--sweep-residency sets the fraction itself: use --fractions")
-    for k, v in PRESETS.get(args.preset or "", {}).items():
-        setattr(args, k, v)
+    apply_preset(args)
     workload = resolve_workload(args)
     s = settings_from(args)
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())

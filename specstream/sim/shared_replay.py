@@ -55,14 +55,12 @@ def runs_of(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def settings_of(command: str) -> dict[str, Any]:
     """The ``BenchSettings`` a recorded ``specstream bench ...`` command ran with, as a bench
     JSON's ``settings`` (the bench's own parser, presets and ``settings_from``)."""
-    from specstream.bench.cli import PRESETS, add_parser, settings_from
+    from specstream.bench.cli import add_parser, settings_from
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
     words = shlex.split(command)
     args = parser.parse_args(words[words.index("bench"):])
-    for k, v in PRESETS.get(args.preset or "", {}).items():
-        setattr(args, k, v)
     if args.device == "auto":  # an emulated link: the run was on the CPU
         args.device = "cpu"
     s = settings_from(args)

@@ -126,8 +126,10 @@ class Scheduler:
         prefill = any(r.in_prefill for r in self.running)
         self._copies += self.residency.rebalance(self.running,
                                                  self.admission.scratch_blocks if prefill else 0)
-        decoding = sum(not r.in_prefill for r in self.running)
-        draft_s = self.shaper.draft_s(self.drafts.shape, decoding) if self.shaper else None
+        draft_s = None  # what drafting after a merged round would take, where sharing asks
+        if self.shaper is not None and self.kv.duplicate_blocks():
+            decoding = sum(not r.in_prefill for r in self.running)
+            draft_s = self.shaper.draft_s(self.drafts.shape, decoding)
         two = self.groups.split(est, self.running, self.kv, draft_s)
         self.drafts.choose_shape(self.running, two)
         verify_all = not two or self.groups.prefill_verifies_all(self.running, self.kv, est)
