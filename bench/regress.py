@@ -5,49 +5,41 @@
     python bench/regress.py --interleave CHECKOUT_A CHECKOUT_B --labels before,after
 
 It measures the checkout it sits in: the `specstream` package must be imported from the folder
-above this one (run it with ``PYTHONPATH=<checkout>`` when another copy is installed), and
+above this one (``PYTHONPATH=<checkout>`` where another copy is installed), and
 ``host_overhead.py`` and ``regress_report.py`` (the workloads, the figures, the comparison) are
 loaded from beside it, so the same files measure older revisions too (copy this file and
-``regress_report.py`` into their ``bench/``). It uses only the bench runner
-(``specstream.bench.runner``, `BenchSettings` fields and the bench's result keys), not the
-engine's classes.
+``regress_report.py`` into their ``bench/``). It uses only the bench runner, not the engine.
 
 Each repeat measures every figure once, the figures in turn, so a slow spell of a shared
 machine spreads over all of them; the JSON keeps every repeat's value and its min, median and
 max. The figures, on the embedded pair (workloads shrunk from the README's to fit about ten
 minutes on two cores; ``--quick`` shrinks them further, for a smoke run):
 
-- ``host_over_link``: `bench/host_overhead.py`'s host time of a GPU-shaped round over its H200
-  link time (lower is better).
-- ``link_bound.*``: the link-bound preset (residency tail, four staging slots, a slow link:
-  a decode round's link time many times its verification), `specstream` over `offload-spec`
-  with a fixed q = 4 chain, end to end and over decode-only rounds: with chains (the engine's
-  default policy, auto, up to q = 4: it drafts 4 deep on most of these rounds) and with
-  token trees (the ladder's last step: auto, top-4, up to 32 nodes, depth up to 8), and the
-  trees' mean accepted tokens per round over the q = 4 chain's.
+- ``host_over_link``: `bench/host_overhead.py`'s host time of a GPU round over its link time.
+- ``link_bound.*``: the link-bound preset (residency tail, four staging slots, a slow link),
+  `specstream` over `offload-spec` with a fixed q = 4 chain, end to end and decode-only: with
+  chains (auto, up to q = 4) and with token trees (auto, top-4, up to 32 nodes, depth up to
+  8), and the trees' mean accepted tokens per round over the q = 4 chain's.
 - ``host_attention.*``: the same workload, `specstream` with chains and
   ``host_attention="auto"`` over the chains' run without, the host's attention rate emulated
   at eight times the link (as `bench/host_attention.py`: 0.8 GB/s against the preset's 0.1).
 - ``residency.fill_bytes_over_floor``: `specstream` with residency fill on a device budget of
   half the workload's KV (the balanced workload over a slower link), history bytes per round
   over the least any residency could move on that budget (lower is better).
-- ``balanced.*``: the default bench's regime (residency fill on a device budget that holds part
-  of the history, a link that takes about as long as a round's compute), fixed q = 4:
-  decode-only throughput of `specstream` over `offload-spec` and over `offload`. (Not over
-  `parallel-spec`: per device that ratio is twice the one-clock one, and a slower baseline
-  would only flatter `specstream`.)
+- ``balanced.*``: the default bench's regime (fill on a budget that holds part of the history,
+  a link about as slow as a round's compute), fixed q = 4: decode-only throughput of
+  `specstream` over `offload-spec` and over `offload` (not `parallel-spec`: per device that
+  ratio is twice the one-clock one; a slower baseline would flatter `specstream`).
+- ``sharing.*``: one shared document under fill, `specstream` with prefix sharing on over off,
+  end to end and history bytes a round (lower is better); the two runs' outputs agree.
 - ``outputs_match_reference``: every run's greedy outputs equal `resident`'s.
 
-Beside the figures, each run's regime is kept (decode-only link utilisation, round time over
-floor, mean accepted tokens, prefill share, wall time), and a warning is printed when a
+Each run's regime is kept (decode-only link utilisation, round time over floor, mean accepted
+tokens, prefill share, wall time), and a warning is printed when a
 link-bound run's link idles more than a fifth of its decode-only rounds, or the balanced
 `specstream` run's more than half (compute-bound: a busy machine's slower compute does that).
-
-``--compare A.json B.json`` prints each figure's median and spread and flags a figure of B as
-worse when it is worse beyond the spread of the repeats: B's median worse than every repeat of
-A and A's median better than every repeat of B. With three repeats a side and no change that
-happens to a figure about one time in ten; with five, one in forty; rerun a flagged figure
-before believing it. It exits 1 when a figure is worse or an output differs.
+``--compare A.json B.json``: B's figures against A's (``regress_report.py``); exit 1 when a
+figure is worse or an output differs.
 """
 
 from __future__ import annotations
@@ -69,7 +61,6 @@ from types import ModuleType
 from typing import Any
 
 CHECKOUT = Path(__file__).resolve().parents[1]
-
 
 # host attention's emulated rate over the link's (bench/host_attention.py: 0.8 against 0.1)
 HOST_OVER_LINK_RATE = 8.0
@@ -166,9 +157,7 @@ class Guard:
         work = self.lb_work if ref == "link_bound" else self.bal_work
         t0 = time.perf_counter()
         r = run_compared(mode, work, s, self.reference(ref))
-        kept = self.runs.setdefault(name, {})
-        for k in RUN_KEYS:
-            kept.setdefault(k, []).append(r.get(k, 0.0))
+        self.keep(name, r)
         self.values.setdefault("outputs_match_reference", []).append(
             bool(r["outputs_match_reference"]))
         _log(f"  {name}: {r['output_tokens_per_s']:.2f} tok/s, decode-only "
@@ -178,6 +167,10 @@ class Guard:
         if not r["outputs_match_reference"]:
             self.warnings.append(f"{name}: outputs differ from resident's")
         return r
+
+    def keep(self, name: str, r: dict[str, Any]) -> None:
+        for k in RUN_KEYS:
+            self.runs.setdefault(name, {}).setdefault(k, []).append(r.get(k, 0.0))
 
     def figure(self, name: str, value: float) -> None:
         self.values.setdefault(name, []).append(value)
@@ -242,6 +235,17 @@ class Guard:
             self.ratio(f"balanced.specstream_over_{key}_decode_only", ss, b,
                        "decode_only_tokens_per_s")
 
+    def sharing(self) -> None:
+        """specstream under fill over one shared document, prefix sharing on and off: end to
+        end and the history bytes a round; the two runs' outputs must agree."""
+        runs = _report.run_shared_doc(self.sizes, self.bal, _log)
+        for on, (r, _) in runs.items():
+            self.keep(f"shared_doc_{'on' if on else 'off'}", r)
+        (on_r, on_t), (off_r, off_t) = runs[True], runs[False]
+        self.values.setdefault("outputs_match_reference", []).append(on_t == off_t)
+        self.ratio("sharing.specstream_on_over_off", on_r, off_r, "output_tokens_per_s")
+        self.ratio("sharing.bytes_on_over_off", on_r, off_r, "link_bytes_per_round")
+
     def ratio(self, name: str, r: dict[str, Any], base: dict[str, Any], key: str) -> None:
         self.figure(name, r[key] / base[key] if base[key] else float("nan"))
 
@@ -254,7 +258,7 @@ class Guard:
 
 GROUPS: dict[str, Callable[[Guard], None]] = {
     "host_overhead": Guard.host_overhead, "link_bound": Guard.link_bound,
-    "residency": Guard.residency, "balanced": Guard.balanced,
+    "residency": Guard.residency, "balanced": Guard.balanced, "sharing": Guard.sharing,
 }
 
 

@@ -1,7 +1,12 @@
 """bench/regress.py's workloads (a size tier each), its figures (which way is better, what each
 is) and how its reports are read: one figure's repeats summarised, several reports of one
 revision merged, two revisions compared figure by figure against the spread of their
-repeats."""
+repeats.
+
+A figure of B is worse when it is worse beyond the spread of the repeats: B's median worse than
+every repeat of A and A's median better than every repeat of B. With three repeats a side and
+no change that happens to a figure about one time in ten; with five, one in forty; rerun a
+flagged figure before believing it."""
 
 from __future__ import annotations
 
@@ -34,6 +39,12 @@ class Sizes:
     chunk_tokens: int  # tokens per streamed chunk (a staging slot holds a wave of them)
     host_overhead_argv: tuple[str, ...]
     repeats: int
+    # prefix sharing (issue 31): (requests, shared document, own tokens, output tokens) under
+    # fill, on a budget that holds the document once beside the requests' own KV but not a
+    # copy per request, and its link
+    shared_doc: tuple[int, int, int, int] = (4, 1536, 128, 24)
+    shared_doc_gbps: float = 0.25
+    shared_doc_device_kv_bytes: int = 24 << 20
 
 
 SIZES = {
@@ -44,14 +55,14 @@ SIZES = {
     "quick": Sizes(link_bound=(1024, 4, 16), link_bound_gbps=0.05,
                    balanced=(1024, 4, 24), balanced_gbps=0.5, balanced_device_kv_bytes=16 << 20,
                    residency_gbps=0.25, chunk_tokens=1024, host_overhead_argv=("--rounds", "4"),
-                   repeats=2),
+                   repeats=2, shared_doc=(4, 1024, 128, 12)),
     # for the tests: the plumbing, not the figures
     "smoke": Sizes(link_bound=(640, 4, 8), link_bound_gbps=1.0,
                    balanced=(768, 4, 6), balanced_gbps=4.0, balanced_device_kv_bytes=12 << 20,
                    residency_gbps=2.0, chunk_tokens=256,
                    host_overhead_argv=("--layers", "2", "--draft-layers", "1", "--requests",
                                        "2", "--chunks", "3", "--rounds", "2"),
-                   repeats=2),
+                   repeats=2, shared_doc=(3, 512, 64, 6), shared_doc_device_kv_bytes=12 << 20),
 }
 
 
@@ -80,6 +91,11 @@ FIGURES: dict[str, tuple[str, str]] = {
         HIGHER, "decode-only tok/s, specstream / offload-spec (both fixed q = 4)"),
     "balanced.specstream_over_offload_decode_only": (
         HIGHER, "decode-only tok/s, specstream (fixed q = 4) / offload"),
+    "sharing.specstream_on_over_off": (
+        HIGHER, "output tok/s, specstream under fill over one shared document, prefix sharing "
+                "on / off"),
+    "sharing.bytes_on_over_off": (
+        LOWER, "the same runs' history bytes a decode round, prefix sharing on / off"),
     "outputs_match_reference": (TRUE, "every run's greedy outputs equal resident's"),
 }
 
@@ -174,3 +190,30 @@ def format_comparison(rows: list[dict[str, Any]], notes: list[str]) -> str:
         lines.append(f"| {r['figure']} | {r['better']} | {cell(r['a'])} | {cell(r['b'])} | "
                      f"{ratio} | {mark} |")
     return "\n".join(lines + [f"note: {n}" for n in notes])
+
+
+def run_shared_doc(sizes: Sizes, balanced: Any, log: Any) -> dict[bool, tuple[dict[str, Any], Any]]:
+    """The sharing group's runs (bench/regress.py): `specstream` under fill over
+    ``sizes.shared_doc``, prefix sharing off then on; {on: (results, tokens)}."""
+    from dataclasses import replace
+
+    from specstream.bench.runner import measure, open_llm
+    from specstream.bench.shared import SharedDocWorkload
+
+    d = SharedDocWorkload(*sizes.shared_doc)
+    s = replace(balanced, residency="fill", link_gbps=sizes.shared_doc_gbps,
+                device_kv_bytes=sizes.shared_doc_device_kv_bytes)
+    runs = {}
+    for on in (False, True):
+        rs = replace(s, extra={**s.extra, "prefix_sharing": on})
+        llm = open_llm("specstream", rs)
+        try:
+            prompts = d.prompts(llm.tokenizer, llm.engine.model_config.vocab_size, s.seed)
+            runs[on] = measure(llm, "specstream", d.kv_workload(), rs, prompts)
+        finally:
+            llm.close()
+        r = runs[on][0]
+        log(f"  shared_doc, sharing {'on' if on else 'off'}: {r['output_tokens_per_s']:.2f} "
+            f"tok/s, {r.get('link_bytes_per_round', 0) / 1e6:.2f} MB a round")
+    return runs
+

@@ -117,19 +117,24 @@ def test_a_smoke_run_writes_each_figure_with_its_spread(tmp_path):
     out = tmp_path / "regress.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, str(SCRIPT), "--size", "smoke", "--groups",
-                    "host_overhead,residency", "--out", str(out)], check=True, env=env,
+                    "host_overhead,residency,sharing", "--out", str(out)], check=True, env=env,
                    capture_output=True, timeout=300)
     r = json.loads(out.read_text())
     assert r["size"] == "smoke" and r["repeats"] == 2
     assert set(r["figures"]) == {"host_over_link", "residency.fill_bytes_over_floor",
+                                 "sharing.specstream_on_over_off", "sharing.bytes_on_over_off",
                                  "outputs_match_reference"}
-    for name in ("host_over_link", "residency.fill_bytes_over_floor"):
+    # a shared document never moves more with sharing than its copies do without
+    assert r["figures"]["sharing.bytes_on_over_off"]["max"] <= 1.0 + 1e-9
+    for name in ("host_over_link", "residency.fill_bytes_over_floor",
+                 "sharing.specstream_on_over_off"):
         fig = r["figures"][name]
         assert len(fig["values"]) == 2 and all(math.isfinite(v) for v in fig["values"])
         assert fig["min"] <= fig["median"] <= fig["max"]
     # the floor is the least any residency could move on that budget: fill cannot beat it
     assert r["figures"]["residency.fill_bytes_over_floor"]["min"] >= 1.0 - 1e-9
-    assert r["figures"]["outputs_match_reference"]["values"] == [True, True]
+    # per repeat: the residency run's, and the sharing runs' (on against off)
+    assert r["figures"]["outputs_match_reference"]["values"] == [True] * 4
     run = r["runs"]["residency_fill_half"]
     assert len(run["decode_only_link_utilization"]["values"]) == 2
     assert run["link_bytes_floor_per_round"]["min"] > 0  # history did stream
