@@ -29,14 +29,20 @@ class Watch:
     """Each step's plan: its shared-block placements, and the history its requests stream."""
 
     def __init__(self, llm: LLM) -> None:
-        self.llm, self.steps = llm, []
+        self.llm, self.steps, self.held, self.copied = llm, [], {}, 0
         self.real, llm.engine.scheduler.schedule = llm.engine.scheduler.schedule, self.schedule
 
     def schedule(self, est: Any = None) -> Any:
         plan = self.real(est)
-        placed = [(h, d) for k, h, d in plan.cache_copies if k is CopyKind.HOST_TO_DEVICE]
+        shared = self.llm.engine.kv.shared
+        # the shared blocks newly held this step: copied from the host, or taken over from
+        # the first sharer's window
+        placed = [(h, d) for h, (d, _) in shared.copies.items() if h not in self.held]
+        self.held = dict(shared.copies)
         streamed = sum(len(c) for s in plan.seqs for c in s.restore_chunks)
-        self.steps.append((placed, streamed, self.llm.engine.kv.shared.held))
+        self.steps.append((placed, streamed, shared.held))
+        copied = {h for k, h, _ in plan.cache_copies if k is CopyKind.HOST_TO_DEVICE}
+        self.copied += len(copied)
         return plan
 
 
@@ -64,6 +70,9 @@ def test_a_shared_document_is_held_once_and_not_streamed(tiny_target, resident_o
     running = [i for i, (_, _, held) in enumerate(watch.steps) if i > last and held]
     assert running and all(watch.steps[i][1] == 0 for i in running)
     assert m["device_kv_blocks_used"] == 0  # the copies went with their last reader
+    # the first sharer's window still held the document when the others joined: taken over
+    # as it was, nothing copied from the host
+    assert watch.copied == 0
 
 
 def test_without_sharing_nothing_is_held_for_all(tiny_target, resident_out):
@@ -91,20 +100,24 @@ def test_a_budget_short_of_the_document_holds_its_oldest_blocks(tiny_target, res
     assert out == resident_out
     held = max(h for _, _, h in watch.steps)
     assert 0 < held < 300 // OFFLOAD["block_size"]
+    assert watch.copied > 0  # the window had let the document go: copied back once
     assert any(streamed for _, streamed, h in watch.steps if h)
     assert m["link_bytes_per_round"] <= 1.15 * m["link_bytes_unique_per_round"]
 
 
-def test_the_device_copy_is_bitwise_the_host_block(tiny_target):
-    llm = LLM(tiny_target, mode="specstream", proposer="ngram", **FILL)
+@pytest.mark.parametrize("budget", [1_500_000, 900_000])
+def test_the_device_copy_is_bitwise_the_host_block(tiny_target, budget):
+    """After every step, each held copy (taken over from a window, or copied from the host)
+    equals the host's block bit for bit."""
+    llm = LLM(tiny_target, mode="specstream", proposer="ngram", **{**FILL,
+                                                                     "device_kv_bytes": budget})
     eng, seen = llm.engine, []
     real = eng.worker.run
 
     def run(plan: Any, *args: Any) -> Any:
         out = real(plan, *args)
-        for k, h, d in plan.cache_copies:
-            if k is CopyKind.HOST_TO_DEVICE:
-                seen.append(torch.equal(eng.store.device[:, :, d], eng.store.host[:, :, h]))
+        for h, (d, _) in eng.kv.shared.copies.items():
+            seen.append(torch.equal(eng.store.device[:, :, d], eng.store.host[:, :, h]))
         return out
 
     eng.worker.run = run

@@ -6,9 +6,10 @@ the shared run would be a copy per sharer, and saves nothing while any sharer st
 the block. Here the residency (engine/sched/residency.py) gives each distinct shared run a
 share of the device like a request's (counted once, however many read it), caps every
 sharer's window at its own blocks, and this holds the first ``target`` blocks of each run on
-the device: copied from the host once (a planned host-to-device copy at the start of the step,
-on the link like any other), then read from the device by every sharer, which streams only
-the rest of its history. A copy is freed when no running request references its block any more
+the device: taken over from the first sharer's window where it still holds them (no transfer),
+else copied from the host once (a planned host-to-device copy at the start of the step, on the
+link like any other), then read from the device by every sharer, which streams only the rest
+of its history. A copy is freed when no running request references its block any more
 or the residency takes the room back; the host copy (the cache's) stays, so freeing
 moves no bytes.
 
@@ -92,6 +93,22 @@ class SharedDevice:
                 reached.add(h)
         self.release([h for h in self.copies if h not in reached])  # past a gap: unread
         return copies
+
+    def take_over(self, targets: list[tuple[list[int], int]]) -> None:
+        """Before the room is made: the blocks of each run's first ``t`` that a sharer's window
+        still holds at its front (the first sharer wrote them there) become the run's copies as
+        they are, with no transfer (they have host copies; the window starts after them)."""
+        for run, t in targets:
+            for n, h in enumerate(run[:t]):
+                if h in self.copies:
+                    continue
+                seq = next((s for s in self.kv.seqs.values()
+                            if s.first == n and s.droppable and n in s.refs
+                            and s.host_blocks[n] == h), None)
+                if seq is None:
+                    break  # the rest are copied from the host (``hold``)
+                self.copies[h] = (seq.device_blocks.pop(0), seq.refs[n])
+                seq.first += 1
 
     def prune(self) -> None:
         """Free the copies of blocks no running request references now."""

@@ -87,6 +87,8 @@ class Residency:
         # the step's working room must be free, and the shared runs' new copies need theirs:
         # those furthest over their share make it
         shared = list(zip(runs, targets[len(reqs):]))
+        if kv.shared is not None:
+            kv.shared.take_over(shared)  # before any window drops them
         held = kv.shared.held if kv.shared else 0
         self.free_up(scratch + self.step_room + max(0, sum(t for _, t in shared) - held),
                      running)
