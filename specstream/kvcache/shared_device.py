@@ -38,17 +38,15 @@ class SharedDevice:
     def held(self) -> int:
         return len(self.copies)
 
-    def runs(self, rids: list[str]) -> dict[int, list[int]]:
-        """The distinct shared runs of the requests ``rids`` (host blocks, oldest first), keyed
-        by their first block; a run as long as its longest sharer's."""
-        out: dict[int, list[int]] = {}
+    def runs(self, rids: list[str]) -> list[list[tuple[int, Entry]]]:
+        """The distinct shared runs of the requests ``rids``, each as its (host block, cache
+        entry) pairs, oldest first; a run as long as its longest sharer's."""
+        out: dict[int, list[tuple[int, Entry]]] = {}
         for rid in rids:
-            n = self.run_of(rid)
-            if n:
-                run = self.kv.seqs[rid].host_blocks[:n]
-                if len(run) > len(out.get(run[0], ())):
-                    out[run[0]] = run
-        return out
+            seq, n = self.kv.seqs[rid], self.run_of(rid)
+            if n and n > len(out.get(seq.host_blocks[0], ())):
+                out[seq.host_blocks[0]] = [(seq.host_blocks[i], seq.refs[i]) for i in range(n)]
+        return list(out.values())
 
     def run_of(self, rid: str) -> int:
         """The leading blocks of ``rid`` that another running request references too, or
@@ -71,43 +69,40 @@ class SharedDevice:
             out.append(copy[0])
         return out
 
-    def hold(self, targets: list[tuple[list[int], int]], spare: int) -> list[BlockCopy]:
+    def hold(self, targets: list[tuple[list[tuple[int, Entry]], int]], spare: int
+             ) -> list[BlockCopy]:
         """Keep the first ``t`` blocks of each shared run ``(run, t)`` on the device, freeing
         every other copy; new copies take at most ``spare`` free blocks, oldest block of each
         run first. Returns the host-to-device copies the step makes before anything reads
         them."""
-        want = {h: None for run, t in targets for h in run[:t]}
-        self.release([h for h in self.copies if h not in want])
         copies: list[BlockCopy] = []
         reached: set[int] = set()
         for run, t in targets:
-            for n, h in enumerate(run[:t]):
+            for h, entry in run[:t]:
                 if h not in self.copies:
-                    entry = self._entry(run, n)
-                    if spare <= 0 or entry is None:
+                    if spare <= 0:
                         break  # a sharer's lead runs unbroken from its first block
                     (d,) = self.kv.device.allocate(1)
                     self.copies[h] = (d, entry)
                     copies.append((CopyKind.HOST_TO_DEVICE, h, d))
                     spare -= 1
                 reached.add(h)
-        self.release([h for h in self.copies if h not in reached])  # past a gap: unread
+        self.release([h for h in self.copies if h not in reached])  # not wanted, or past a gap
         return copies
 
-    def take_over(self, targets: list[tuple[list[int], int]]) -> None:
+    def take_over(self, targets: list[tuple[list[tuple[int, Entry]], int]]) -> None:
         """Before the room is made: the blocks of each run's first ``t`` that a sharer's window
         still holds at its front (the first sharer wrote them there) become the run's copies as
         they are, with no transfer (they have host copies; the window starts after them)."""
         for run, t in targets:
-            for n, h in enumerate(run[:t]):
+            for n, (h, entry) in enumerate(run[:t]):
                 if h in self.copies:
                     continue
-                seq = next((s for s in self.kv.seqs.values()
-                            if s.first == n and s.droppable and n in s.refs
-                            and s.host_blocks[n] == h), None)
+                seq = next((s for s in self.kv.seqs.values() if s.first == n and s.droppable
+                            and s.refs.get(n) is entry), None)
                 if seq is None:
                     break  # the rest are copied from the host (``hold``)
-                self.copies[h] = (seq.device_blocks.pop(0), seq.refs[n])
+                self.copies[h] = (seq.device_blocks.pop(0), entry)
                 seq.first += 1
 
     def prune(self) -> None:
@@ -116,10 +111,3 @@ class SharedDevice:
 
     def release(self, host_blocks: list[int]) -> None:
         self.kv.device.free([self.copies.pop(h)[0] for h in host_blocks])
-
-    def _entry(self, run: list[int], n: int) -> Entry | None:
-        """The cache entry of the ``n``-th block of ``run`` (a sharer's reference to it)."""
-        for seq in self.kv.seqs.values():
-            if n < len(seq.host_blocks) and seq.host_blocks[n] == run[n] and n in seq.refs:
-                return seq.refs[n]
-        return None

@@ -52,7 +52,7 @@ class Residency:
             return []
         reqs = [r for r in running if r.request_id in kv.seqs]
         tail = -(-kv.policy.resident_tail_tokens // bs) + 1
-        runs = list(kv.shared.runs([r.request_id for r in reqs]).values()) if kv.shared else []
+        runs = kv.shared.runs([r.request_id for r in reqs]) if kv.shared else []
         floors, caps, growth = [], [], 0
         for r in reqs:
             seq = kv.seqs[r.request_id]
@@ -86,12 +86,11 @@ class Residency:
             kv.set_target(r.request_id, t)
         # the step's working room must be free, and the shared runs' new copies need theirs:
         # those furthest over their share make it
-        shared = list(zip(runs, targets[len(reqs):]))
+        shared, missing = list(zip(runs, targets[len(reqs):])), 0
         if kv.shared is not None:
             kv.shared.take_over(shared)  # before any window drops them
-        held = kv.shared.held if kv.shared else 0
-        self.free_up(scratch + self.step_room + max(0, sum(t for _, t in shared) - held),
-                     running)
+            missing = max(0, sum(t for _, t in shared) - kv.shared.held)
+        self.free_up(scratch + self.step_room + missing, running)
         if kv.shared is None:
             return []
         return kv.shared.hold(shared, kv.device.num_free - scratch - self.step_room)
