@@ -70,11 +70,10 @@ class EngineConfig:
     # Automatic prefix caching (as vLLM's): full KV blocks stay cached in both tiers (LRU,
     # yielding to requests) for prompts that start with them (kvcache/prefix_cache.py).
     enable_prefix_caching: bool = True
-    # Offloading modes with the prefix cache: full host blocks join the cache as they are
-    # written back, and a prompt that starts with cached blocks references them instead of
-    # copying them (requests arriving together wait for the first one's prefill of what they
-    # share); a shared block is held once and crosses the link once a round for all its
-    # sharers (kvcache/manager.py). False: hits copy blocks.
+    # Offloading modes with the prefix cache: host blocks join the cache as written back; a
+    # prompt that starts with cached blocks references them (requests arriving together wait
+    # for the first one's prefill of what they share); a shared block is held once and crosses
+    # the link once a round for all its sharers (kvcache/manager.py). False: hits copy.
     prefix_sharing: bool = True
     # Attention over cold history on the host CPU (offloading modes): "off", or "auto" (each
     # step gives the host the share of every request's cold chunks that the measured host
@@ -85,8 +84,7 @@ class EngineConfig:
     # host_attention_fraction fixes that share instead (for tests and ablations).
     host_attention: HostAttentionMode | None = None
     host_attention_fraction: float | None = None
-    # Threads of the host attention worker (None: the cores the engine's two threads leave).
-    host_attention_threads: int | None = None
+    host_attention_threads: int | None = None  # its threads (None: the cores the engine leaves)
     # Emulated host attention rate on the cpu backend, GB/s of KV attended (as link_gbps is
     # the link's): each job takes at least its bytes at this rate, so a CPU run can take a
     # real server's link-to-host ratio (PCIe 5 ~50 GB/s against ~300-500 GB/s of a dual-socket
@@ -95,12 +93,12 @@ class EngineConfig:
     # A request's history moves to the host once it passes this many tokens. None: derived
     # from the model by `default_offload_after` (a quarter of its context, at most 8192).
     offload_after_tokens: int | None = None
-    # `stream` modes: tokens of one request's history per chunk; a chunk wave copies and
-    # attends the j-th chunk of up to `wave_requests` requests at once, and the staging ring
-    # holds `staging_buffers` waves (staging_buffers x wave_requests x chunk_tokens tokens of
-    # one layer). A ring over half the device budget is shrunk to what half holds (at least
-    # one chunk of one request, two waves where two fit: engine/layout.py `staging_ring`).
-    chunk_tokens: int = 2048
+    # `stream` modes: tokens of a request's history per chunk; a chunk wave copies and attends
+    # the j-th chunk of up to `wave_requests` requests, and the staging ring holds
+    # `staging_buffers` waves (of one layer). None: 2048 where that ring fits in an eighth of
+    # the budget, else halved down to 256 (engine/layout.py `auto_chunk_tokens`). A ring over
+    # half the budget narrows to what half holds (`staging_ring`).
+    chunk_tokens: int | None = None
     staging_buffers: int = 2
     wave_requests: int = 8
     # `specstream`: its two groups (one verifies while the other drafts in the transfer gaps)
@@ -162,7 +160,7 @@ class EngineConfig:
         if not isinstance(self.device, str) or not (
                 self.device == "cpu" or self.device.split(":")[0] == "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        positive = ("block_size", "host_kv_bytes", "chunk_tokens", "staging_buffers",
+        positive = ("block_size", "host_kv_bytes", "staging_buffers",
                     "wave_requests", "max_num_seqs", "max_prefill_tokens", "draft_window_tokens",
                     "tensor_parallel_size")
         for name in positive:
@@ -177,7 +175,9 @@ class EngineConfig:
                              f"{self.gpu_memory_utilization}")
         if self.resident_tail_tokens < 0 or (self.offload_after_tokens or 0) < 0:
             raise ValueError("resident_tail_tokens and offload_after_tokens must be >= 0")
-        if self.chunk_tokens % self.block_size:
+        if self.chunk_tokens is not None and self.chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be > 0, got {self.chunk_tokens}")
+        if self.chunk_tokens is not None and self.chunk_tokens % self.block_size:
             raise ValueError(f"chunk_tokens ({self.chunk_tokens}) must be a multiple of "
                              f"block_size ({self.block_size})")
         if self.link_gbps is not None and self.link_gbps <= 0:

@@ -14,7 +14,7 @@ def generation_summary(llm: Any, out: Any, m: dict[str, Any], wall: float) -> st
     if comp.error:
         lines.append(f"  error         {comp.error}")
     how = {"none": "all KV on the device", "restore": "offloaded history restored layer by layer",
-           "stream": f"offloaded history streamed in {cfg.chunk_tokens}-token chunks"}
+           "stream": f"offloaded history streamed in {policy.chunk_tokens}-token chunks"}
     auto = cfg.policy == "auto"
     spec = (f"{cfg.proposer} proposer, {'up to ' if auto else ''}{cfg.q} draft tokens per round"
             if cfg.speculative else "no speculation")

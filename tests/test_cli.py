@@ -28,7 +28,7 @@ def test_main_job_offloads_streams_and_speculates(capsys):
 
 def test_main_job_json_figures(capsys):
     rc = main(["generate", "--mode", "specstream", "--prompt-file", str(MAIN_JOB_PROMPT),
-               "--max-tokens", "64", "--device-kv-bytes", "5e7", "--json"])
+               "--max-tokens", "64", "--device-kv-bytes", "2.5e7", "--json"])
     assert rc == 0
     record = json.loads(capsys.readouterr().out)
     m = record["metrics"]

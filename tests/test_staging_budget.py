@@ -8,7 +8,16 @@ import pytest
 
 from specstream import LLM, SamplingParams
 from specstream.config import EngineConfig
-from specstream.engine.layout import MIN_DEVICE_BLOCKS, STAGING_SHARE, RuntimeLayout, staging_ring
+from specstream.engine.layout import (
+    AUTO_CHUNK_TOKENS,
+    AUTO_STAGING_SHARE,
+    MIN_AUTO_CHUNK_TOKENS,
+    MIN_DEVICE_BLOCKS,
+    STAGING_SHARE,
+    RuntimeLayout,
+    auto_chunk_tokens,
+    staging_ring,
+)
 from specstream.llm import default_model_dir
 from specstream.models.config import ModelConfig
 
@@ -23,6 +32,44 @@ def _layout(**kw) -> RuntimeLayout:
 def test_the_configured_ring_is_kept_where_it_fits() -> None:
     assert staging_ring(64 * MiB, 2 * MiB, 2, 8) == (2, 8)
     assert staging_ring(64 * MiB, 2 * MiB, 4, 2) == (4, 2)
+
+
+def test_the_chunk_is_2048_tokens_where_the_budget_spares_a_ring_of_them() -> None:
+    ring = 2 * 8 * 1024  # bytes of the ring per chunk token (2 waves x 8 requests x 1 KiB)
+    assert auto_chunk_tokens(4 << 30, ring, 128) == AUTO_CHUNK_TOKENS == 2048
+    assert auto_chunk_tokens(int(2048 * ring / AUTO_STAGING_SHARE), ring, 128) == 2048
+    assert auto_chunk_tokens(int(2048 * ring / AUTO_STAGING_SHARE) - 1, ring, 128) == 1024
+
+
+@pytest.mark.parametrize("budget", [1 * MiB, 12 * MiB, 47 * MiB, 100 * MiB, 300 * MiB])
+@pytest.mark.parametrize("block", [16, 128, 256, 512])
+def test_a_small_budget_shortens_the_chunk_to_keep_its_blocks(budget: int, block: int) -> None:
+    ring = 2 * 8 * 1024
+    chunk = auto_chunk_tokens(budget, ring, block)
+    assert chunk % block == 0 and block <= chunk <= AUTO_CHUNK_TOKENS
+    least = max(block, MIN_AUTO_CHUNK_TOKENS)
+    # within the share, or as short as it goes; never shorter than it had to be
+    assert chunk * ring <= AUTO_STAGING_SHARE * budget or chunk == least
+    assert chunk == least or 2 * chunk > AUTO_CHUNK_TOKENS or (
+        2 * chunk * ring > AUTO_STAGING_SHARE * budget)
+
+
+def test_the_auto_chunk_leaves_a_small_budget_more_blocks_and_a_given_one_is_kept() -> None:
+    """The matrix's 12 x 1K cell at 0.6 of its KV (46.7 MB): 2048-token chunks took 21 MB of
+    it for staging (32 blocks left); the auto chunk keeps the ring to an eighth."""
+    auto = _layout(mode="specstream", proposer="ngram", device_kv_bytes=46_714_060)
+    given = _layout(mode="specstream", proposer="ngram", device_kv_bytes=46_714_060,
+                    chunk_tokens=2048)
+    assert given.chunk_tokens == 2048 and given.num_device_blocks == 32
+    assert auto.chunk_tokens < 2048
+    assert auto.history_reserve_bytes <= AUTO_STAGING_SHARE * 46_714_060
+    assert auto.num_device_blocks >= 50
+    big = _layout(mode="specstream", proposer="ngram", device_kv_bytes=4 << 30)
+    assert big.chunk_tokens == 2048 and (big.staging_buffers, big.wave_requests) == (2, 8)
+    # the restore modes take the same room out of their pool, so they admit the same tails
+    restore = _layout(mode="offload-spec", proposer="ngram", device_kv_bytes=46_714_060)
+    assert restore.chunk_tokens == auto.chunk_tokens
+    assert restore.num_device_blocks - restore.restore_room_blocks == auto.num_device_blocks
 
 
 @pytest.mark.parametrize("budget", [1 * MiB, 3 * MiB, 16_000_000, 24_000_000, 40 * MiB])

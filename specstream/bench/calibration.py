@@ -8,6 +8,7 @@ from typing import Any
 
 from specstream.bench.runner import BenchSettings
 from specstream.bench.workload import Workload
+from specstream.engine.layout import auto_chunk_tokens
 from specstream.models.config import ModelConfig
 
 
@@ -55,6 +56,10 @@ def calibration_from(
         prefill = {"target": {"samples": [{"tokens": max(workload.context_lengths),
                                            "seconds": per_request}]}}
     ss = results.get("specstream") or results.get("offload-spec") or {}
+    info = _model_info(target, Path(target).name, dtype_bytes)
+    chunk = s.chunk_tokens or auto_chunk_tokens(  # the chunk the engine resolved
+        s.device_kv_bytes, s.staging_buffers * s.wave_requests * info["kv_bytes_per_token"]
+        // info["num_layers"], s.block_size)
     return {
         "schema": 1,
         "device": s.device,
@@ -62,12 +67,12 @@ def calibration_from(
         "device_memory_bytes": s.device_kv_bytes,
         "device_budget_covers": "kv",  # the engine's KV budget; weights are outside it
         "host_memory_bytes": s.host_kv_bytes,
-        "target": _model_info(target, Path(target).name, dtype_bytes),
+        "target": info,
         "draft": _model_info(draft, Path(draft).name, dtype_bytes),
         "verify_time": {"samples": verify},
         "draft_step_time": {"samples": draft_steps},
         "prefill_time": prefill,
-        "engine": {"chunk_tokens": s.chunk_tokens, "staging_buffers": s.staging_buffers,
+        "engine": {"chunk_tokens": chunk, "staging_buffers": s.staging_buffers,
                    "wave_requests": s.wave_requests,
                    "resident_tail": s.resident_tail_tokens,
                    "offload_threshold": s.offload_after_tokens, "draft_window": 1024,

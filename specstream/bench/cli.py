@@ -144,7 +144,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "trees with --speculative-topk > 1) from what the engine measures, "
                         "'fixed' drafts -q every round (default: the engine's, auto)")
     p.add_argument("--chunk-tokens", type=int, default=BenchSettings.chunk_tokens,
-                   help="tokens per streamed restore chunk")
+                   help="tokens per streamed restore chunk (default: the engine's)")
     p.add_argument("--staging-buffers", type=int, default=None,
                    help="chunk-wave slots in the staging ring of specstream (default: "
                         f"{BenchSettings.staging_buffers}, or the preset's)")
@@ -374,8 +374,8 @@ def command_args(args: argparse.Namespace) -> list[str]:
             ["--turns", str(args.turns), "--message-len", str(args.message_len)])
     for k in ("context_len", "num_requests", "output_len", "link_gbps", "device_kv_bytes",
               "chunk_tokens", "staging_buffers", "wave_requests", "residency"):
-        if args.sweep_residency and k in ("device_kv_bytes", "residency"):
-            continue  # the sweep sets both per point
+        if args.sweep_residency and k in ("device_kv_bytes", "residency") or not getattr(args, k):
+            continue  # the sweep sets both per point; None: the engine's
         if k == "device_kv_bytes" and args.device_kv_fraction is not None:
             k = "device_kv_fraction"  # the budget it resolves to is in the settings
         out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]

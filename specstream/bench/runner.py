@@ -42,12 +42,13 @@ class BenchSettings:
     # engine's default (auto)
     speculative_policy: str | None = None
     block_size: int = 128
-    # 2048-token chunks as the reference implementation. Two staging slots of two-request chunk
+    # The engine's chunks (None: 2048 tokens, as the reference implementation, where the budget
+    # spares a ring of them: engine/layout.py). Two staging slots of two-request chunk
     # waves: four chunks in flight, not the reference's two: on the CPU backend a draft step
     # holds the one compute thread for ~6 ms, while one 2 MB chunk of the embedded target
     # crosses the 1 GB/s link in 2 ms; four keep the link busy through a draft step (see
     # engine/exec/gap_filler.py). On a GPU the draft runs on its own stream instead.
-    chunk_tokens: int = 2048
+    chunk_tokens: int | None = None
     staging_buffers: int = 2
     wave_requests: int = 2
     resident_tail_tokens: int = 256

@@ -37,6 +37,8 @@ class RuntimeLayout:
     wave_requests: int = 8
     # The device KV budget this run (``EngineConfig.device_budget``).
     device_budget_bytes: int = 0
+    # Tokens of one request's history a chunk (``auto_chunk_tokens`` where not configured).
+    chunk_tokens: int = 2048
     # `restore` modes: pool blocks the budget guarantees a step's restores (``restore_room``):
     # two whole layers of history where they fit in it or in what else is free, a layer in
     # pieces otherwise; 0 in other modes.
@@ -52,11 +54,14 @@ class RuntimeLayout:
         layer_token_bytes = model.kv_bytes_per_token(dtype_bytes) // model.num_layers
         block_bytes = config.block_size * model.num_layers * layer_token_bytes
         budget = config.device_budget(free_device_bytes)
-        region_bytes = config.chunk_tokens * layer_token_bytes  # one chunk of one request
         buffers, wave = config.staging_buffers, config.wave_requests
+        chunk = (config.chunk_tokens if config.chunk_tokens is not None else
+                 auto_chunk_tokens(budget, buffers * wave * layer_token_bytes, config.block_size))
+        region_bytes = chunk * layer_token_bytes  # one chunk of one request
         history_reserve, room = 0, 0
         if mode.history is History.STREAM:
-            buffers, wave = staging_ring(budget, region_bytes, buffers, wave)
+            buffers, wave = staging_ring(budget, region_bytes, buffers, wave,
+                                         MIN_DEVICE_BLOCKS * block_bytes)
             history_reserve = buffers * wave * region_bytes
         num_device_blocks = (budget - history_reserve) // block_bytes
         if mode.history is History.RESTORE:
@@ -64,7 +69,7 @@ class RuntimeLayout:
         if num_device_blocks < MIN_DEVICE_BLOCKS + room:
             least = MIN_DEVICE_BLOCKS * block_bytes + (
                 region_bytes if mode.history is History.STREAM else 0)
-            staging = (f" and one {config.chunk_tokens}-token chunk of staging ({region_bytes} "
+            staging = (f" and one {chunk}-token chunk of staging ({region_bytes} "
                        "bytes; a smaller chunk_tokens needs less)"
                        if mode.history is History.STREAM else "")
             if mode.history is History.RESTORE:
@@ -98,12 +103,29 @@ class RuntimeLayout:
             wave_requests=wave,
             device_budget_bytes=budget,
             restore_room_blocks=room,
+            chunk_tokens=chunk,
         )
 
 
 MIN_DEVICE_BLOCKS = 2  # KV blocks the pool needs at least (a request's tail and its next)
 # The staging ring takes at most this share of the device budget (the rest holds KV blocks).
 STAGING_SHARE = 0.5
+# Where chunk_tokens is not configured: the longest chunk, the ring's share of the budget that
+# shorter chunks keep it to, and the shortest chunk they go down to.
+AUTO_CHUNK_TOKENS, AUTO_STAGING_SHARE, MIN_AUTO_CHUNK_TOKENS = 2048, 0.125, 256
+
+
+def auto_chunk_tokens(budget: int, ring_token_bytes: int, block_size: int) -> int:
+    """The chunk of a ring of ``ring_token_bytes`` per chunk token (its waves x requests x
+    one layer's token): AUTO_CHUNK_TOKENS where that ring fits in AUTO_STAGING_SHARE of the
+    budget, else halved until it does or reaches MIN_AUTO_CHUNK_TOKENS (a block at least;
+    always a multiple of block_size). A shorter chunk costs more waves a layer on long
+    histories; a ring too large for the budget costs the blocks every request's KV needs."""
+    chunk = max(1, AUTO_CHUNK_TOKENS // block_size) * block_size
+    least = max(1, MIN_AUTO_CHUNK_TOKENS // block_size) * block_size
+    while chunk > least and chunk * ring_token_bytes > AUTO_STAGING_SHARE * budget:
+        chunk = max(least, chunk // 2 // block_size * block_size)
+    return chunk
 
 
 def restore_room(budget: int, block_bytes: int, region_bytes: int, buffers: int, wave: int
@@ -112,19 +134,20 @@ def restore_room(budget: int, block_bytes: int, region_bytes: int, buffers: int,
     ring would take from a streaming mode's pool on the same budget (so the tails it admits
     fit here too), at least one (a layer restored one block at a time, in its planes), and
     never so many that the pool keeps fewer than ``MIN_DEVICE_BLOCKS`` besides."""
-    ring = staging_ring(budget, region_bytes, buffers, wave)
+    ring = staging_ring(budget, region_bytes, buffers, wave, MIN_DEVICE_BLOCKS * block_bytes)
     ring_bytes = ring[0] * ring[1] * region_bytes
     taken = budget // block_bytes - max(0, budget - ring_bytes) // block_bytes
     return max(1, min(taken, budget // block_bytes - MIN_DEVICE_BLOCKS))
 
 
-def staging_ring(budget: int, region_bytes: int, buffers: int, wave: int) -> tuple[int, int]:
+def staging_ring(budget: int, region_bytes: int, buffers: int, wave: int, keep: int = 0
+                 ) -> tuple[int, int]:
     """(waves, requests per wave) of the staging ring for a device budget: the configured
-    ``buffers x wave`` chunk regions where they fit in ``STAGING_SHARE`` of the budget, else as
-    many regions as fit there (never fewer than one chunk of one request), as at least two
-    waves where two regions fit and more than one wave was asked for (a copy lands while the
-    previous wave is attended)."""
-    fit = max(1, int(budget * STAGING_SHARE) // region_bytes)
+    ``buffers x wave`` chunk regions where they fit in ``STAGING_SHARE`` of the budget and
+    leave ``keep`` bytes (the pool's least), else as many regions as fit there (never fewer
+    than one chunk of one request), as at least two waves where two regions fit and more than
+    one wave was asked for (a copy lands while the previous wave is attended)."""
+    fit = max(1, min(int(budget * STAGING_SHARE), budget - keep) // region_bytes)
     if buffers * wave <= fit:
         return buffers, wave
     if buffers == 1:

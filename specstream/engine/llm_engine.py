@@ -101,7 +101,7 @@ class LLMEngine:
         self.kv = self.scheduler.kv
         self.store = KVStore(self.model_config, self.dtype, config.block_size,
                              layout.num_device_blocks, layout.num_host_blocks, self.backend)
-        self.history = make_source(mode.history, self.store, config.chunk_tokens,
+        self.history = make_source(mode.history, self.store, layout.chunk_tokens,
                                    layout.staging_buffers, layout.wave_requests)
         host = (HostAttention(self.store, config.host_attention_threads,
                               config.host_attention_gbps) if config.host_attends else None)

@@ -81,7 +81,7 @@ class Scheduler:
         policy = OffloadPolicy(offload=config.mode_spec.offload,
                                resident_tail_tokens=config.resident_tail_tokens,
                                offload_after_tokens=layout.offload_after_tokens,
-                               chunk_tokens=config.chunk_tokens, residency=config.residency)
+                               chunk_tokens=layout.chunk_tokens, residency=config.residency)
         kv = KVManager(config.block_size, layout.num_device_blocks, layout.num_host_blocks,
                        policy, prefix_caching=config.enable_prefix_caching,
                        prefix_sharing=config.prefix_sharing)
@@ -135,7 +135,7 @@ class Scheduler:
         verify_all = not two or self.groups.prefill_verifies_all(self.running, self.kv, est)
         seqs = self._batch(None if verify_all else self.groups.to_verify(self.running))
         if self.config.host_attends:
-            per = max(1, self.config.chunk_tokens // self.config.block_size)
+            per = max(1, self.kv.policy.chunk_tokens // self.config.block_size)
             seqs, share = split_steps(seqs, self.host_split, est, self.num_layers, per)
             self.host_share = self.host_share if share is None else share
         # `restore` modes: pool blocks for two layers of the step's history (or pieces of a
