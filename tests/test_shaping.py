@@ -66,32 +66,6 @@ def test_shaper_goes_long_when_link_bound_and_off_when_drafting_does_not_pay():
     assert picks.count(0) == 62 and picks.count(1) == 2
 
 
-def _probed(accept: float, rounds: int = 30) -> list[int]:
-    """Depths the default-prior shaper picks for rounds of 8 requests, a link of 20 ms a round
-    (drafting in its gaps), verification 10 ms + 0.2 ms a position, drafts accepted as a
-    geometric law of rate ``accept``; probes draft for one request, as the engine's do."""
-    shaper = RoundShaper(max_depth=8, drafting="gaps", prior_acceptance=0.6)
-    picks = []
-    for _ in range(rounds):
-        q = shaper.shape(8).depth
-        picks.append(q)
-        n = 1 if shaper.probing else 8
-        got = min(q, round(sum(accept ** (d + 1) for d in range(q))))
-        shaper.observe(0.02, 0.010 + 0.0002 * (8 + n * q), 8 + n * q, [n] * q,
-                       q * (0.001 + 0.0001 * n), [(q, got)] * n + [(0, 0)] * (8 - n))
-    return picks
-
-
-def test_drafts_that_miss_stop_drafting_within_a_few_rounds_and_good_ones_go_deep():
-    """The prior counts as few observations (PRIOR_WEIGHT): prompts whose drafts miss (random
-    ids accept ~5% a token) stop within a few rounds (a weight of 20 drafted 21 of these 30
-    rounds for all 8 requests); drafts that accept 70% reach depth 4 as soon."""
-    missing = _probed(0.05)
-    assert sum(d > 0 for d in missing[:30]) <= 5 and missing[-8:] == [0] * 8
-    good = _probed(0.7, rounds=12)
-    assert min(good[3:]) >= 4
-
-
 def test_auto_policy_is_validated():
     with pytest.raises(ValueError, match="needs a proposer"):
         EngineConfig(mode="resident", speculative_policy="auto")

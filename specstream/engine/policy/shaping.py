@@ -56,11 +56,6 @@ from specstream.spec.token_tree import DraftTree
 
 # The reference implementation's choices of q, and twice its largest for link-bound rounds.
 DEPTHS = (0, 1, 2, 4, 6, 8, 12, 16)
-# Observations the acceptance prior counts as. Few: drafts that miss (prompts of random ids
-# accept ~5% a token against the prior's 60%) turn speculation off within a few rounds, not
-# after the ~40 misses a weight of 20 took, each of them drafting (and the draft catching up)
-# for every request; a workload that accepts well confirms the prior as quickly.
-PRIOR_WEIGHT = 4.0
 
 
 @dataclass
@@ -104,10 +99,10 @@ class RoundShaper:
 
     def __post_init__(self) -> None:
         # the prior by rank: the first candidate as the model card's per-token figure, the
-        # others a quarter of the one before; it counts as PRIOR_WEIGHT observations
+        # others a quarter of the one before
         a = self.prior_acceptance
         self.acceptance = AcceptanceEstimate(prior=(a, a / 4, a / 16, a / 64),
-                                             prior_weight=PRIOR_WEIGHT, decay=0.995)
+                                             prior_weight=20.0, decay=0.995)
         depths = sorted({d for d in DEPTHS if d <= self.max_depth} | {self.max_depth})
         self.candidates = [Shape(d) for d in depths]
         # trees: binary ones and the widest allowed, each with 2, 4, 8 ... times its depth in
