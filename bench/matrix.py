@@ -269,6 +269,7 @@ def simulate(record: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
     from specstream.models.config import ModelConfig
     from specstream.models.loader import resolve_dtype
     from specstream.sim.engine_model import Geometry
+    from specstream.sim.host_replay import HostModel
     from specstream.sim.replay import ReplaySetup, replay_mean
     from specstream.sim.step_cost import fit_modes
     from specstream.sim.workload import AcceptanceModel
@@ -288,10 +289,17 @@ def simulate(record: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
         tcfg = ModelConfig.from_dir(_target_dir())
         geometry = Geometry(tcfg.num_layers,
                             tcfg.kv_bytes_per_token(resolve_dtype(cfg.dtype, "cpu").itemsize))
-        setup = ReplaySetup(mode=mode, config=replace(cfg, link_gbps=None), geometry=geometry,
+        config, host = replace(cfg, link_gbps=None), None
+        if config.host_attends:  # the host's costs as the other cell's same run measured them
+            run = source["_steps"].get(name) or {}
+            host = HostModel.of_steps(list(run.get("rounds", ())) + list(
+                run.get("prefill_steps", ())))
+            if host is None:  # the host attended nothing there
+                config = replace(config, host_attention="off")
+        setup = ReplaySetup(mode=mode, config=config, geometry=geometry,
                             prompts=tuple(record["context_lengths"]),
                             output_len=record["output_len"], acceptance=acceptance,
-                            cost=costs[mode], link_bw=link_rate(record))
+                            cost=costs[mode], link_bw=link_rate(record), host=host)
         got = replay_mean(setup, seeds=REPLAY_SEEDS).result
         out[name] = {"throughput": got.throughput, "tpot_s": got.tpot_s,
                      "throughput_error": report.rel_error(got.throughput,
