@@ -126,7 +126,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=None,
                    help=f"tokens per KV block (default: {_default('block_size')})")
     g.add_argument("--chunk-tokens", type=int, default=None,
-                   help=f"tokens per streamed restore chunk (default: {_default('chunk_tokens')})")
+                   help="tokens per streamed restore chunk (default: 2048 where a staging ring "
+                        "of them fits in an eighth of the device budget, else shorter, to 256)")
     g.add_argument("--staging-buffers", type=int, default=None,
                    help=f"staging slots for streamed chunk waves (default: "
                         f"{_default('staging_buffers')})")
