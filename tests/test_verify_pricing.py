@@ -9,6 +9,8 @@ target's prefill time per token where they do not.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from specstream.engine.policy.estimators import LineFit, PlaneFit
@@ -96,3 +98,22 @@ def test_the_shaper_learns_the_prior_from_prefill_and_fits_verified_requests() -
     costs = shaper.costs()
     assert costs.verify_per_position_s == pytest.approx(PER_POSITION, rel=0.01)
     assert costs.verify_per_request_s == pytest.approx(PER_REQUEST, rel=0.05)
+
+
+@pytest.mark.parametrize("prior", [None, PER_POSITION])
+@pytest.mark.parametrize("requests", [1, 3, 0.7])
+def test_a_constant_request_count_prices_no_request_and_stays_finite(prior, requests) -> None:
+    """One request at a time (or always the same number): the request count has no spread,
+    but the decayed sums leave a rounding residue in its variance (1e-15, not 0). Solved as if
+    it were spread, that residue priced a request at ~1e13 s, every round the same ~1e16 s, and
+    the policy picked the shape with the most tokens whatever it cost (32-node trees on a
+    compute-bound CPU). The fit must see no spread and price depth from the points."""
+    rng = random.Random(1)
+    fit = PlaneFit(prior_b2=prior)
+    for i in range(100):
+        positions = requests * (1 + rng.choice((1, 2, 4, 32)))
+        fit.add(requests, positions, 0.012 + PER_POSITION * positions + rng.gauss(0, 1e-4))
+        a, b1, b2 = fit.coef()
+        assert b1 < 1.0, (i, b1)  # seconds a request: the residue's price was ~1e13
+    assert b2 == pytest.approx(PER_POSITION, rel=0.1)
+    assert a + b1 * requests == pytest.approx(0.012, rel=0.05)

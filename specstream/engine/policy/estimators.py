@@ -93,6 +93,13 @@ class PlaneFit:
         m1, m2, my = self.s1 / n, self.s2 / n, self.sy / n
         c11, c12, c22 = self.s11 - n * m1 * m1, self.s12 - n * m1 * m2, self.s22 - n * m2 * m2
         c1y, c2y = self.s1y - n * m1 * my, self.s2y - n * m2 * my
+        # an x that never moved (one request at a time) leaves a rounding residue in its
+        # variance and covariances, not zeros: solved as spread, the residue's ratios price
+        # it at ~1e13 a unit; under a relative tolerance it has no spread and no covariance
+        if c11 <= 1e-9 * self.s11:
+            c11 = c12 = c1y = 0.0
+        if c22 <= 1e-9 * self.s22:
+            c22 = c12 = c2y = 0.0
         if self.prior_b2 is None:
             b1, b2 = self._unregularised(c11, c12, c22, c1y, c2y, m1, m2, my)
         else:
