@@ -27,7 +27,7 @@ class Scripted(RoundShaper):
         self.given: list[Shape] = []
         self.probes_given: list[bool] = []
 
-    def shape(self, num_requests, catch_up=0.0):
+    def shape(self, num_requests, catch_up=0.0, history_tokens=None):
         k = len(self.given)
         pick = self.script[min(k, len(self.script) - 1)] if self.script else Shape(0)
         if k >= len(self.script) and self.script:
@@ -272,7 +272,8 @@ def test_seeded_sampling_keeps_its_chain_whatever_the_policy_picks(tiny_target, 
     sched = auto.engine.scheduler
     depths = iter([0, 3, 1, 2, 0, 0, 3] * 20)
 
-    def scripted(num_requests: int, catch_up: float = 0.0) -> Shape:
+    def scripted(num_requests: int, catch_up: float = 0.0,
+                 history_tokens: int | None = None) -> Shape:
         sched.shaper.probing = False
         return Shape(next(depths, 1))
 
@@ -281,3 +282,19 @@ def test_seeded_sampling_keeps_its_chain_whatever_the_policy_picks(tiny_target, 
                                                           use_tqdm=False)]
     auto.close()
     assert got == want
+
+
+def test_a_prefill_steps_link_time_is_no_decode_rounds() -> None:
+    """A one-request-at-a-time workload that fits on the device: decode rounds move nothing,
+    each new request's prefill writes its KV over a slow link. Were the prefill step's link
+    time a round's, the rounds after it would look link-bound and the deepest tree free."""
+    shaper = RoundShaper(max_depth=8, drafting="gaps", max_topk=4, max_nodes=32,
+                         prior_acceptance=0.3)
+    _feed(shaper, 40, link_s=0.0, verify=(0.015, 0.0015), draft=(0.004, 0.0004), accept=0.3,
+          n=1)
+    before = shaper.shape(1)
+    assert before.num_nodes <= 2
+    # the next request's prefill step: 30 ms of link, no query positions verified
+    shaper.observe(0.03, 0.9, 0, [], 0.0, [(0, 0)], num_requests=1)
+    assert shaper.link_s == 0.0
+    assert shaper.shape(1) == before

@@ -117,3 +117,33 @@ def test_a_constant_request_count_prices_no_request_and_stays_finite(prior, requ
         assert b1 < 1.0, (i, b1)  # seconds a request: the residue's price was ~1e13
     assert b2 == pytest.approx(PER_POSITION, rel=0.1)
     assert a + b1 * requests == pytest.approx(0.012, rel=0.05)
+
+
+def test_verification_is_priced_per_token_of_history_read() -> None:
+    """The matrix's 6K x 2 cell: the first rounds verify one request at a short context (a
+    probe before the long prefill), then two requests at 6K with depths 1 to 16, then one at
+    6K. Over request counts, the cheap short-context round reads as a cheap request and the
+    fit put every query position at nothing, so drafting looked free. Over history tokens
+    read, the same rounds give each part its price, and the next round's per-request price is
+    the history it will read."""
+    per_token, per_position, base = 7e-6, 4e-3, 2e-3
+
+    def t(contexts: tuple[int, ...], depth: int) -> float:
+        return base + per_token * sum(contexts) + per_position * len(contexts) * (1 + depth)
+
+    shaper = RoundShaper(8, "sequential")
+    rounds = [((40,), 2), ((41,), 1)] + [((6144 + i, 6150 + i), d) for i, d in
+                                         enumerate((1, 4, 8, 8, 2, 8, 1, 8, 8))]
+    rounds += [((6200 + i,), d) for i, d in enumerate((8, 1, 1, 2, 1))]
+    for contexts, depth in rounds:
+        shaper.observe(0.0, t(contexts, depth), len(contexts) * (1 + depth), [], 0.0,
+                       [(depth, 0)] * len(contexts), num_requests=len(contexts),
+                       history_tokens=sum(contexts))
+    _, _, b2 = shaper.verify.coef()
+    assert b2 == pytest.approx(per_position, rel=0.05)
+    shaper.shape(2, history_tokens=2 * 6300)
+    costs = shaper.costs()
+    assert costs.verify_per_request_s == pytest.approx(per_token * 6300, rel=0.05)
+    for depth in (0, 4):
+        assert costs.round_s(Shape(depth), 2, "sequential") == pytest.approx(
+            t((6300, 6300), depth), rel=0.03)

@@ -15,9 +15,10 @@ children the target took). Pure Python: it sees numbers, never tensors.
 Probing and exploration: until a verified round has had drafts, rounds draft half the allowed
 depth for one request (acceptance and the draft's cost); then the model decides. Steps that
 carry a prefill chunk teach acceptance, the link time and the draft's cost, not the
-verification fit. Requests and query positions are priced apart (a request's history is read
-once however many positions attend it): where the rounds seen so far do not tell them apart
-(rounds that differed in request count, not in depth), a query position is priced as a prefill
+verification fit. History read and query positions are priced apart (a request's history is
+read once however many positions attend it; its price is per token of history, so a round at a
+short context does not pass for a cheap request): where the rounds seen so far do not tell them
+apart (rounds that differed in request count, not in depth), a query position is priced as a prefill
 token of the target (``prior_position``, measured on prefill steps; no exploration needed), and
 before any prefill was measured every query position is taken to cost alike (cautious where
 compute decides, moot where the link does). While the
@@ -54,6 +55,11 @@ from specstream.engine.policy.round_shape import (
 from specstream.options import SpeculativePolicy
 from specstream.spec.token_tree import DraftTree
 
+# x1 of the verification fit: a round's history read, in these many tokens (a request's
+# reads, not its count: a request's verification cost grows with its context, and a fit over
+# request counts reads a short-context round's low cost as a cheap request and prices
+# every query position at nothing)
+HISTORY_UNIT = 1024
 # The reference implementation's choices of q, and twice its largest for link-bound rounds.
 DEPTHS = (0, 1, 2, 4, 6, 8, 12, 16)
 
@@ -68,7 +74,12 @@ class RoundShaper:
     explore_every: int = 32
     acceptance: AcceptanceEstimate = field(init=False)
     link_s: float = 0.0
-    verify: PlaneFit = field(default_factory=PlaneFit)  # x1 requests, x2 query positions
+    # x1 history read (tokens / HISTORY_UNIT, summed over the round's requests; request counts
+    # where a caller gives no history), x2 query positions
+    verify: PlaneFit = field(default_factory=PlaneFit)
+    # a verified request's history in x1's units: the last round's, until ``shape`` is told
+    # the next round's
+    history_per_request: float = 1.0
     prefill_token_s: Ewma = field(default_factory=Ewma)  # the target's prefill, per token
     draft: LineFit = field(default_factory=LineFit)
     decisions: int = 0
@@ -120,19 +131,29 @@ class RoundShaper:
                 draft_steps: Sequence[float], draft_s: float,
                 verified: Sequence[tuple[int, int]],
                 tree_walks: Sequence[Sequence[tuple[int, int | None]]] = (),
-                num_requests: int | None = None) -> None:
+                num_requests: int | None = None, history_tokens: int | None = None) -> None:
         """One decode step: its link busy time, verification time and query positions (of
-        ``num_requests`` requests; None: the verified ones), the draft tokens of each of its
-        draft forwards and their time, per verified chain request (drafts, accepted), and per
-        verified tree its walk ((children, rank taken) of each node reached)."""
+        ``num_requests`` requests; None: the verified ones, whose ``history_tokens`` the
+        verification read; None: each request counts as one unit), the draft tokens of each of
+        its draft forwards and their time, per verified chain request (drafts, accepted), and
+        per verified tree its walk ((children, rank taken) of each node reached)."""
         if verified or tree_walks or query_tokens:  # it verified requests
-            self.link_s = 0.7 * self.link_s + 0.3 * link_s if self.link_seen else link_s
-            self.link_seen = True
+            # a step that carried a prefill chunk (no query positions given) also moved that
+            # chunk's KV: its link time is no decode round's, and after a slow link's prefill
+            # it made every round after it look link-bound (deep trees "free"); it counts
+            # only until a decode round was measured
+            if query_tokens or not self.link_seen:
+                self.link_s = (0.7 * self.link_s + 0.3 * link_s if self.link_seen
+                               else link_s)
+            self.link_seen = self.link_seen or bool(query_tokens)
             self.seen_drafts = (self.seen_drafts or any(n for n, _ in verified)
                                 or any(tree_walks))
         if query_tokens:
             requests = len(verified) + len(tree_walks) if num_requests is None else num_requests
-            self.verify.add(max(1, requests), query_tokens, verify_s)
+            reads = (max(1, requests) if history_tokens is None
+                     else history_tokens / HISTORY_UNIT)
+            self.history_per_request = reads / max(1, requests)
+            self.verify.add(reads, query_tokens, verify_s)
         if draft_steps:
             per = draft_s / len(draft_steps)
             for n in draft_steps:
@@ -187,7 +208,8 @@ class RoundShaper:
                   if s.request_id not in out.tree_ranks]
         walks = [out.tree_ranks[s.request_id] for s in done if s.request_id in out.tree_ranks]
         self.observe(link_s, verify_s, 0 if prefill else plan.num_tokens, steps, draft_s,
-                     chains, walks, num_requests=len(plan.seqs))
+                     chains, walks, num_requests=len(plan.seqs),
+                     history_tokens=sum(s.start_pos for s in plan.seqs))
 
     def observe_host(self, cold_bytes: float, link_bps: float, cost: HostCosts | None) -> None:
         """After a decode round with host attention on: a verified request's cold history,
@@ -218,7 +240,8 @@ class RoundShaper:
             host = dict(cold_bytes=cold, link_bps=link_bps, host_s_per_byte=c.seconds_per_byte,
                         host_s_per_byte_per_position=c.seconds_per_byte_per_position,
                         host_serial_s=c.serial_s)
-        return RoundCosts(link_s=self.link_s, verify_base_s=va, verify_per_request_s=vr,
+        return RoundCosts(link_s=self.link_s, verify_base_s=va,
+                          verify_per_request_s=vr * self.history_per_request,
                           verify_per_position_s=vb,
                           draft_level_s=da, draft_per_node_s=db,
                           draft_setup_s=self._catch_up_s(catch_up), **host)
@@ -228,14 +251,18 @@ class RoundShaper:
         no draft forward measured yet)."""
         return self.costs().draft_s(shape, num_requests) if self.draft.n else None
 
-    def shape(self, num_requests: int, catch_up: float = 0.0) -> Shape:
-        """The drafts' shape for the next round of ``num_requests`` verified requests.
+    def shape(self, num_requests: int, catch_up: float = 0.0,
+              history_tokens: int | None = None) -> Shape:
+        """The drafts' shape for the next round of ``num_requests`` verified requests (whose
+        history is ``history_tokens``; None: as the last verified round's).
         ``catch_up``: the tokens the draft must feed before drafting for them (what it has not
         seen), each request's divided by the tokens it has left to generate: drafting's
         one-off cost spread over the rest of the requests' lives, counted in every round
         that drafts (a round makes at least one token per request)."""
         self.decisions += 1
         self.probing = self.exploring = False
+        if history_tokens is not None and num_requests:
+            self.history_per_request = history_tokens / HISTORY_UNIT / num_requests
         if not self.seen_drafts or self.draft.n == 0:
             pick, self.probing = Shape(max(1, self.max_depth // 2)), True
         else:

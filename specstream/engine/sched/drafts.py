@@ -34,7 +34,9 @@ class DraftPlanner:
         decoding = sum(not r.in_prefill for r in running)
         share = sum(self.unseen(r) / max(1, self.room(r)) for r in running if not r.in_prefill)
         groups = 2 if two_groups else 1
-        self.shape = self.shaper.shape(-(-decoding // groups), catch_up=share / groups)
+        history = sum(r.num_tokens for r in running if not r.in_prefill)
+        self.shape = self.shaper.shape(-(-decoding // groups), catch_up=share / groups,
+                                       history_tokens=history // groups)
         for req in running:
             if req.needs_draft and self.draft(req, after_verify=False).count(0) == 0:
                 req.needs_draft = False
