@@ -6,9 +6,12 @@ the bench regression guard caught this, host attention's decode-only speed-up ha
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from specstream.config import EngineConfig
 from specstream.engine.contract import StepMeasures, StepOutput, StepPlan
 from specstream.engine.policy.feedback import RoundFeedback
+from specstream.engine.policy.shaping import RoundShaper
 
 LINK = 1e9  # emulated 1 GB/s
 
@@ -80,3 +83,19 @@ def test_the_groups_merge_where_verification_hides_the_link_and_split_again() ->
     for _ in range(4):  # 80 ms of history against 40 ms
         _decode(fb, history=80_000_000, verify_s=0.040)
     assert fb.estimates().link_bound
+
+
+def test_the_shapes_link_time_is_the_historys_not_a_prefills_writes() -> None:
+    """A workload that fits on the device: decode rounds move nothing, each new request's
+    prefill writes its KV out over a slow link (device to host). Were the link's busy time a
+    round's link time, the rounds after each prefill would look link-bound and the deepest
+    tree free; the policy sees the history's bytes over the link's rate."""
+    shaper = RoundShaper(max_depth=8, drafting="gaps", max_topk=4, max_nodes=32)
+    fb = RoundFeedback(EngineConfig(mode="specstream", proposer="ngram", link_gbps=0.1,
+                                    device_kv_bytes=64 << 20), shaper=shaper)
+    written = 3_000_000  # a prefill chunk's KV out, 30 ms at 0.1 GB/s; no history in
+    m = StepMeasures(wall_s=0.9, wait_s=0.0, draft_s=0.0, link_busy_s=written / 0.1e9,
+                     link_bytes=written, history_bytes=0, prefill_tokens=1024, decode=True)
+    assert fb.history_link_s(m) == 0.0
+    streamed = replace(m, history_bytes=2_000_000, link_bytes=written + 2_000_000)
+    assert fb.history_link_s(streamed) == 2_000_000 / 0.1e9

@@ -283,18 +283,3 @@ def test_seeded_sampling_keeps_its_chain_whatever_the_policy_picks(tiny_target, 
     auto.close()
     assert got == want
 
-
-def test_a_prefill_steps_link_time_is_no_decode_rounds() -> None:
-    """A one-request-at-a-time workload that fits on the device: decode rounds move nothing,
-    each new request's prefill writes its KV over a slow link. Were the prefill step's link
-    time a round's, the rounds after it would look link-bound and the deepest tree free."""
-    shaper = RoundShaper(max_depth=8, drafting="gaps", max_topk=4, max_nodes=32,
-                         prior_acceptance=0.3)
-    _feed(shaper, 40, link_s=0.0, verify=(0.015, 0.0015), draft=(0.004, 0.0004), accept=0.3,
-          n=1)
-    before = shaper.shape(1)
-    assert before.num_nodes <= 2
-    # the next request's prefill step: 30 ms of link, no query positions verified
-    shaper.observe(0.03, 0.9, 0, [], 0.0, [(0, 0)], num_requests=1)
-    assert shaper.link_s == 0.0
-    assert shaper.shape(1) == before

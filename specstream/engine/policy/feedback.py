@@ -106,8 +106,15 @@ class RoundFeedback:
             # verification: the time neither blocked on the link (nor on the host's partials)
             # nor drafting
             verify = max(0.0, m.wall_s - m.host_wait_s - m.wait_s - m.draft_s)
-            shaper.observe_step(plan, out, m.link_busy_s, verify, m.draft_s,
+            shaper.observe_step(plan, out, self.history_link_s(m), verify, m.draft_s,
                                 bool(m.prefill_tokens))
+
+    def history_link_s(self, m: StepMeasures) -> float:
+        """The link time of a step's history (host to device): what a decode round's shape
+        weighs against its compute. Not the link's busy time, which also counts the KV a
+        prefill chunk writes out: after every new request's prefill over a slow link, rounds
+        that move nothing looked link-bound and the deepest tree free."""
+        return m.history_bytes / self.link_bps if self.link_bps > 0 else m.link_busy_s
 
     def _observe_link_bound(self, m: StepMeasures) -> None:
         """After a decode round with no prefill chunk: its history's link time (what the host

@@ -138,14 +138,8 @@ class RoundShaper:
         its draft forwards and their time, per verified chain request (drafts, accepted), and
         per verified tree its walk ((children, rank taken) of each node reached)."""
         if verified or tree_walks or query_tokens:  # it verified requests
-            # a step that carried a prefill chunk (no query positions given) also moved that
-            # chunk's KV: its link time is no decode round's, and after a slow link's prefill
-            # it made every round after it look link-bound (deep trees "free"); it counts
-            # only until a decode round was measured
-            if query_tokens or not self.link_seen:
-                self.link_s = (0.7 * self.link_s + 0.3 * link_s if self.link_seen
-                               else link_s)
-            self.link_seen = self.link_seen or bool(query_tokens)
+            self.link_s = 0.7 * self.link_s + 0.3 * link_s if self.link_seen else link_s
+            self.link_seen = True
             self.seen_drafts = (self.seen_drafts or any(n for n, _ in verified)
                                 or any(tree_walks))
         if query_tokens:
