@@ -147,3 +147,18 @@ def test_verification_is_priced_per_token_of_history_read() -> None:
     for depth in (0, 4):
         assert costs.round_s(Shape(depth), 2, "sequential") == pytest.approx(
             t((6300, 6300), depth), rel=0.03)
+
+
+def test_a_sliver_of_spread_is_no_spread() -> None:
+    """The 6K x 2 cell's first rounds: one request verified at 64 then 65 tokens of history,
+    a timing jitter of 1.4 ms between them. Read as spread, that jitter priced 1K tokens of
+    history at ~1.4 s, and the 6K rounds after it at seconds each."""
+    shaper = RoundShaper(8, "sequential")
+    shaper.prior_position(0.002)  # the warm-up request's prefill, per token
+    for history, positions, seconds in ((64, 3, 0.0184), (65, 2, 0.0170)):
+        shaper.observe(0.0, seconds, positions, [], 0.0, [(positions - 1, 0)],
+                       num_requests=1, history_tokens=history)
+    _, b1, _ = shaper.verify.coef()
+    assert b1 == 0.0
+    shaper.shape(2, history_tokens=2 * 6144)
+    assert shaper.costs().round_s(Shape(1), 2, "sequential") < 0.1

@@ -68,6 +68,7 @@ class PlaneFit:
     decay: float = 0.95
     ridge: float = 0.001
     prior_b2: float | None = None
+    min_spread: float = 0.05  # an x whose deviation is under this share of its mean is constant
     n: float = 0.0
     s1: float = 0.0
     s2: float = 0.0
@@ -94,11 +95,13 @@ class PlaneFit:
         c11, c12, c22 = self.s11 - n * m1 * m1, self.s12 - n * m1 * m2, self.s22 - n * m2 * m2
         c1y, c2y = self.s1y - n * m1 * my, self.s2y - n * m2 * my
         # an x that never moved (one request at a time) leaves a rounding residue in its
-        # variance and covariances, not zeros: solved as spread, the residue's ratios price
-        # it at ~1e13 a unit; under a relative tolerance it has no spread and no covariance
-        if c11 <= 1e-9 * self.s11:
+        # variance and covariances, not zeros: solved as spread, the residue's ratios priced
+        # it at ~1e13 a unit. One that moved by a sliver of its size (a context of 64 tokens,
+        # then 65) is no better: a timing jitter over that sliver priced 1K tokens of history
+        # at seconds. Below ``min_spread`` of its mean (standard deviation) it has no spread.
+        if c11 <= max(1e-9 * self.s11, n * (self.min_spread * m1) ** 2):
             c11 = c12 = c1y = 0.0
-        if c22 <= 1e-9 * self.s22:
+        if c22 <= max(1e-9 * self.s22, n * (self.min_spread * m2) ** 2):
             c22 = c12 = c2y = 0.0
         if self.prior_b2 is None:
             b1, b2 = self._unregularised(c11, c12, c22, c1y, c2y, m1, m2, my)
