@@ -39,6 +39,9 @@ def _rank(rank: int, folder: str, ids: list[int], port: int, out: str) -> None:
         params = sum(p.numel() for p in model.parameters())
         torch.save({"logits": our_logits(model, ids), "params": params,
                     "kv_heads": model.config.num_kv_heads}, f"{out}.{rank}")
+        # both ranks done before either tears its group down: a rank destroying the group
+        # while the other's gloo threads still talk to it aborted one of them, now and then
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
