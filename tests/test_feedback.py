@@ -11,7 +11,6 @@ from dataclasses import replace
 from specstream.config import EngineConfig
 from specstream.engine.contract import StepMeasures, StepOutput, StepPlan
 from specstream.engine.policy.feedback import RoundFeedback
-from specstream.engine.policy.shaping import RoundShaper
 
 LINK = 1e9  # emulated 1 GB/s
 
@@ -90,9 +89,8 @@ def test_the_shapes_link_time_is_the_historys_not_a_prefills_writes() -> None:
     prefill writes its KV out over a slow link (device to host). Were the link's busy time a
     round's link time, the rounds after each prefill would look link-bound and the deepest
     tree free; the policy sees the history's bytes over the link's rate."""
-    shaper = RoundShaper(max_depth=8, drafting="gaps", max_topk=4, max_nodes=32)
     fb = RoundFeedback(EngineConfig(mode="specstream", proposer="ngram", link_gbps=0.1,
-                                    device_kv_bytes=64 << 20), shaper=shaper)
+                                    device_kv_bytes=64 << 20))
     written = 3_000_000  # a prefill chunk's KV out, 30 ms at 0.1 GB/s; no history in
     m = StepMeasures(wall_s=0.9, wait_s=0.0, draft_s=0.0, link_busy_s=written / 0.1e9,
                      link_bytes=written, history_bytes=0, prefill_tokens=1024, decode=True)

@@ -282,4 +282,3 @@ def test_seeded_sampling_keeps_its_chain_whatever_the_policy_picks(tiny_target, 
                                                           use_tqdm=False)]
     auto.close()
     assert got == want
-

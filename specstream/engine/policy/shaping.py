@@ -132,11 +132,11 @@ class RoundShaper:
                 verified: Sequence[tuple[int, int]],
                 tree_walks: Sequence[Sequence[tuple[int, int | None]]] = (),
                 num_requests: int | None = None, history_tokens: int | None = None) -> None:
-        """One decode step: its link busy time, verification time and query positions (of
-        ``num_requests`` requests; None: the verified ones, whose ``history_tokens`` the
-        verification read; None: each request counts as one unit), the draft tokens of each of
-        its draft forwards and their time, per verified chain request (drafts, accepted), and
-        per verified tree its walk ((children, rank taken) of each node reached)."""
+        """One decode step: its history's link time, verification time and query positions
+        (of ``num_requests`` requests, None: the verified ones; ``history_tokens``: the history
+        they read, None: one unit a request), the draft tokens of each of its draft forwards
+        and their time, per verified chain request (drafts, accepted), and per verified tree
+        its walk ((children, rank taken) of each node reached)."""
         if verified or tree_walks or query_tokens:  # it verified requests
             self.link_s = 0.7 * self.link_s + 0.3 * link_s if self.link_seen else link_s
             self.link_seen = True
