@@ -47,6 +47,11 @@ MERGE_BELOW = 0.8
 SPLIT_ABOVE = 1.0
 
 
+def _verifies(plan: StepPlan) -> bool:
+    """Whether a step verified anything (one that only drafted did not)."""
+    return any(s.sample and not s.prefill for s in plan.seqs)
+
+
 class RoundFeedback:
     """Takes every step's measurements and keeps the estimates current (``Ewma`` averages and
     ``LineFit`` lines, nothing hand-rolled elsewhere)."""
@@ -95,7 +100,7 @@ class RoundFeedback:
         if m.prefill_tokens:
             self.prefill_chunk.add(m.compute_s)
         self._observe_host(plan, m)
-        self._observe_link_bound(m)
+        self._observe_link_bound(plan, m)
         shaper = self.shaper
         if shaper is None:
             return
@@ -116,11 +121,13 @@ class RoundFeedback:
         that move nothing looked link-bound and the deepest tree free."""
         return m.history_bytes / self.link_bps if self.link_bps > 0 else m.link_busy_s
 
-    def _observe_link_bound(self, m: StepMeasures) -> None:
+    def _observe_link_bound(self, plan: StepPlan, m: StepMeasures) -> None:
         """After a decode round with no prefill chunk: its history's link time (what the host
         attended included: it would cross the link otherwise) over its verification time
-        (neither blocked on the link or the host nor drafting)."""
-        if not m.decode or m.prefill_tokens:
+        (neither blocked on the link or the host nor drafting). A step that only drafted (its
+        group had nothing to verify) is no round: its ratio of nothing over nothing read as 0
+        and pulled the average of a slow link's rounds towards a merge."""
+        if not m.decode or m.prefill_tokens or not _verifies(plan):
             return
         verify_s = m.wall_s - m.wait_s - m.draft_s - m.host_wait_s
         if verify_s <= 0:
