@@ -4,6 +4,7 @@ link-bound, compute-bound and drafting-does-not-pay regimes."""
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -107,3 +108,43 @@ def test_shape_validation():
         Shape(-1)
     with pytest.raises(ValueError):
         Shape(3, topk=1, nodes=5)
+
+
+def _depth_chains(acc: AcceptanceEstimate, rates: tuple[float, ...], rounds: int) -> None:
+    """Chains of len(rates) drafts whose draft at depth d passes with rates[d - 1]."""
+    rng = random.Random(1)
+    for _ in range(rounds):
+        n = 0
+        while n < len(rates) and rng.random() < rates[n]:
+            n += 1
+        acc.observe_chain(len(rates), n)
+
+
+def test_acceptance_is_learnt_by_depth():
+    """Drafts that pass 0.5 of the time right after the sampled token and 0.9 once on a
+    matched path: each depth's estimate finds its own rate, and a depth-4 chain's expected
+    tokens are the product of them, where the pooled rate (which mixes the depths) is more
+    than 10% off."""
+    rates = (0.5, 0.9, 0.9, 0.9)
+    acc = AcceptanceEstimate(prior=(0.6, 0.1), prior_weight=20, decay=0.999)
+    _depth_chains(acc, rates, 4000)
+    assert acc.beta(0, 1) == pytest.approx(0.5, abs=0.04)
+    assert acc.beta(0, 3) == pytest.approx(0.9, abs=0.04)
+    true = 1 + sum(math.prod(rates[:d]) for d in range(1, 5))
+    assert expected_tokens(Shape(4), acc) == pytest.approx(true, rel=0.05)
+    pooled = 1 + sum(acc.beta(0) ** d for d in range(1, 5))
+    assert abs(pooled - true) > 0.1 * true
+    # a tree at depth 3: its other ranks share what the first candidate leaves
+    acc.observe_walk([(2, 1), (2, 0), (2, None)])
+    for d in (1, 2, 3):
+        assert acc.beta(0, d) + acc.beta(1, d) <= 1.0
+
+
+def test_unobserved_depths_read_the_pooled_estimate():
+    """No depth seen (the simulator's estimates are priors only): every depth is the pooled
+    figure and the chain is the geometric sum, as before acceptance was kept by depth."""
+    acc = AcceptanceEstimate(prior=(0.7, 0.2))
+    assert [acc.beta(r, d) for r in (0, 1) for d in (1, 5)] == [0.7, 0.7, 0.2, 0.2]
+    assert expected_tokens(Shape(3), acc) == pytest.approx(1 + 0.7 + 0.49 + 0.343)
+    acc.observe_chain(2, 2)  # depths 1 and 2 seen; 3 and deeper read the pooled one
+    assert acc.beta(0, 3) == acc.beta(0)

@@ -3,6 +3,8 @@ outputs stay exact whatever it picks."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from helpers import capture_plans
@@ -44,14 +46,21 @@ def _prompts(lengths, seed=0):
 
 def _feed(shaper: RoundShaper, rounds: int, link_s: float, verify: tuple[float, float],
           draft: tuple[float, float], accept: float, n: int = 8) -> None:
-    """Rounds of n requests with chains of the shaper's current depth, accepted as a
-    geometric law of rate ``accept`` would on average (deterministic)."""
+    """Rounds of n requests with chains of the shaper's current depth, each draft accepted
+    with probability ``accept`` (a geometric law, seeded). Not the rounded mean every round:
+    a policy that learns acceptance by depth would read that as depths that always pass and
+    one that never does."""
+    rng = random.Random(0)
     for _ in range(rounds):
         q = shaper.shape(n).depth
-        expect = sum(accept ** (d + 1) for d in range(q))
-        accepted = min(q, round(expect))
+        verified = []
+        for _ in range(n):
+            accepted = 0
+            while accepted < q and rng.random() < accept:
+                accepted += 1
+            verified.append((q, accepted))
         shaper.observe(link_s, verify[0] + verify[1] * n * (q + 1), n * (q + 1),
-                       [n] * q, q * (draft[0] + draft[1] * n), [(q, accepted)] * n)
+                       [n] * q, q * (draft[0] + draft[1] * n), verified)
 
 
 def test_shaper_goes_long_when_link_bound_and_off_when_drafting_does_not_pay():

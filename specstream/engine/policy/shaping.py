@@ -156,8 +156,7 @@ class RoundShaper:
             if num_drafts:
                 self.acceptance.observe_chain(num_drafts, accepted)
         for walk in tree_walks:
-            for children, rank in walk:
-                self.acceptance.observe(children, rank)
+            self.acceptance.observe_walk(walk)
 
     def worth_exploring(self, catch_up_tokens: int, num_requests: int) -> bool:
         """Whether an exploration that makes the draft feed ``catch_up_tokens`` first costs
