@@ -88,6 +88,8 @@ class AcceptanceEstimate:
     # the first candidate at depth d + 1 (1: the drafts right after the last sampled token)
     depth_hits: list[float] = field(default_factory=list)
     depth_tries: list[float] = field(default_factory=list)
+    # ``table``'s answers since the last observation: a decision prices ~40 shapes
+    _memo: dict[tuple[int, int], list[list[float]]] = field(default_factory=dict, repr=False)
 
     def pooled(self, rank: int) -> float:
         """The rank-``rank`` candidate's acceptance over every depth."""
@@ -113,10 +115,20 @@ class AcceptanceEstimate:
         rest = self.pooled(rank)
         return rest * (1 - at_depth) / (1 - first) if first < 1 else rest
 
+    def table(self, depth: int, topk: int) -> list[list[float]]:
+        """``beta(r, d)`` for depths 0 .. ``depth`` and ranks below ``topk``, as [d][r]."""
+        key = (depth, topk)
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = [[self.beta(r, d) for r in range(topk)]
+                                     for d in range(depth + 1)]
+        return got
+
     def observe(self, num_candidates: int, matched_rank: int | None, depth: int = 0) -> None:
         """One verified node whose path was accepted, ``depth`` levels down (0: not known):
         the draft offered ``num_candidates`` candidates for the next token and the target's
         was ``matched_rank`` (or none)."""
+        self._memo.clear()
         while len(self.tries) < num_candidates:
             self.tries.append(0.0)
             self.hits.append(0.0)
@@ -150,13 +162,13 @@ def expected_tokens(shape: Shape, acc: AcceptanceEstimate) -> float:
     """Expected tokens one request gets from a round of ``shape`` (accepted drafts + 1)."""
     if shape.depth == 0:
         return 1.0
+    betas = acc.table(shape.depth, shape.topk)
     if shape.topk == 1:
         total, p = 1.0, 1.0
         for d in range(1, shape.depth + 1):
-            p *= acc.beta(0, d)
+            p *= betas[d][0]
             total += p
         return total
-    betas = [[acc.beta(r, d) for r in range(shape.topk)] for d in range(shape.depth + 1)]
     # the best tree: nodes by path probability, children of accepted-so-far nodes (a node is
     # never likelier than its parent or its earlier sibling, so the greedy set is a tree)
     heap: list[tuple[float, int, int]] = [(-betas[1][0], 1, 0)]  # (-prob, depth, rank)
