@@ -162,3 +162,29 @@ def test_a_sliver_of_spread_is_no_spread() -> None:
     assert b1 == 0.0
     shaper.shape(2, history_tokens=2 * 6144)
     assert shaper.costs().round_s(Shape(1), 2, "sequential") < 0.1
+
+
+def test_near_collinear_rounds_whose_noise_reads_a_negative_position_price_take_the_prior() -> None:
+    """Requests verified at one depth (c01 during its prefills: q0 rounds of 3 to 7 requests):
+    query positions are the request count and the history nearly so, a few tokens apart a
+    request. Timing noise that follows the jitter solved to a negative price a position; it
+    was clamped to 0 and the shaper took 32-node trees in compute-bound rounds. The position
+    is the prior's there, and the rest of the slope the history's."""
+    prior = 1.4e-3
+    fit = PlaneFit(prior_b2=prior)
+    for requests, jitter in ((3, 0.1), (4, -0.1), (7, 0.05), (5, -0.05), (6, 0.1), (4, 0.1)):
+        history = requests + jitter  # units of history: the requests' prompts, nearly equal
+        # 6.4 ms a request in all, and 8 ms per unit of the jitter (the noise that follows it)
+        fit.add(history, requests, 0.010 + 0.0064 * requests + 0.008 * jitter)
+    a, b1, b2 = fit.coef()
+    assert b2 == prior
+    assert b1 == pytest.approx(0.0064 - prior, rel=0.35)
+    # a tree of 32 nodes is priced for its positions: far dearer than a chain of 4
+    costs = RoundCosts(verify_base_s=a, verify_per_request_s=b1, verify_per_position_s=b2)
+    assert costs.round_s(Shape(4, 4, 32), 4, "gaps") > 3 * costs.round_s(Shape(4), 4, "gaps")
+    # where positions moved on their own (other depths), the points' own reading stands
+    free = PlaneFit(prior_b2=prior)
+    for requests in (3, 5, 7):
+        for depth in (0, 2, 4):
+            free.add(requests, requests * (1 + depth), 0.010 + 0.006 * requests)
+    assert free.coef()[2] < 0.01 * prior  # (the ridge draws it a sliver toward the prior)

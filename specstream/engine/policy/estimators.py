@@ -69,6 +69,8 @@ class PlaneFit:
     ridge: float = 0.001
     prior_b2: float | None = None
     min_spread: float = 0.05  # an x whose deviation is under this share of its mean is constant
+    # x2 whose variance left at fixed x1 is under this share of its own moved with x1
+    collinear: float = 0.1
     n: float = 0.0
     s1: float = 0.0
     s2: float = 0.0
@@ -111,8 +113,15 @@ class PlaneFit:
             if b1 < 0:  # all of it is x2's (toward the prior as above)
                 b1, b2 = 0.0, (c2y + lam * self.prior_b2) / (c22 + lam)
             if b2 < 0:
-                b2 = 0.0
-                b1 = c1y / c11 if c11 > 1e-12 else 0.0
+                # x2 read as costing less than nothing: where x2 moved on its own (its spread
+                # at fixed x1), that is the points saying it costs nothing; where it moved
+                # almost only with x1 (verified requests at one depth: query positions and
+                # history rise together, a jitter of a few tokens apart), it is noise, and
+                # taking it as 0 priced query positions at nothing: 32-node trees in
+                # compute-bound rounds (c01). There x2 is the prior's.
+                alone = c22 - (c12 * c12 / c11 if c11 > 1e-12 else 0.0)
+                b2 = 0.0 if alone > self.collinear * c22 else self.prior_b2
+                b1 = max(0.0, (c1y - c12 * b2) / c11) if c11 > 1e-12 else 0.0
             b1, b2 = max(0.0, b1), max(0.0, b2)
             if c11 <= 1e-12 and c22 <= 1e-12:  # one point's worth: x2 at the prior
                 b1, b2 = 0.0, self.prior_b2
