@@ -44,14 +44,13 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 LONG_PROMPT = HERE.parent / "examples" / "long_prompt.txt"
 OUTPUT_LEN, QUICK_OUTPUT_LEN = 32, 16
-REPLAY_SEEDS = 8  # acceptance draws the replay averages over
 
 
 @dataclass(frozen=True)
@@ -125,6 +124,7 @@ def beside(name: str) -> Any:
 
 
 report = beside("matrix_report")
+sim = beside("matrix_sim")
 
 
 def workload_of(cell: Cell, output_len: int) -> Any:
@@ -255,65 +255,6 @@ def _config_dict(cfg: Any) -> dict[str, Any] | None:
             else v for k, v in asdict(cfg).items()}
 
 
-def link_rate(record: dict[str, Any]) -> float:
-    """The link as the cell's copies achieved it: bytes moved over the time it was busy."""
-    runs = [r for r in record["_steps"].values() if r.get("link_busy_s")]
-    moved = sum(r["link_bytes_h2d"] + r["link_bytes_d2h"] for r in runs)
-    busy = sum(r["link_busy_s"] for r in runs)
-    return moved / busy if busy else record["cell"]["link_gbps"] * 1e9
-
-
-def simulate(record: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
-    """The step replay of this cell's default and offload-spec runs, their step costs fitted
-    on ``source``'s (another cell) resident, default and offload-spec runs."""
-    from specstream.models.config import ModelConfig
-    from specstream.models.loader import resolve_dtype
-    from specstream.sim.engine_model import Geometry
-    from specstream.sim.host_replay import HostModel
-    from specstream.sim.replay import ReplaySetup, replay_mean
-    from specstream.sim.step_cost import fit_modes
-    from specstream.sim.workload import AcceptanceModel
-
-    as_mode = {"resident": "resident", "default": "specstream", BASELINE: "offload-spec"}
-    fit_on = {m: source["_steps"][n] for n, m in as_mode.items() if n in source["_steps"]}
-    costs = fit_modes(fit_on, link_rate(source))
-    chain = record["_steps"].get("q4") or record["_steps"].get(BASELINE)
-    mean = min(max(chain["mean_accepted_len"], 1.0), 4.999) if chain else 1.0
-    acceptance = AcceptanceModel.from_mean(mean, 4)
-    out: dict[str, Any] = {"costs_from": source["cell"]["name"], "alpha": acceptance.alpha}
-    for name in ("default", BASELINE):
-        cfg, measured = record["_configs"].get(name), record["_steps"].get(name)
-        mode = as_mode[name]
-        if cfg is None or measured is None or mode not in costs:
-            continue
-        tcfg = ModelConfig.from_dir(_target_dir())
-        geometry = Geometry(tcfg.num_layers,
-                            tcfg.kv_bytes_per_token(resolve_dtype(cfg.dtype, "cpu").itemsize))
-        config, host = replace(cfg, link_gbps=None), None
-        if config.host_attends:  # the host's costs as the other cell's same run measured them
-            run = source["_steps"].get(name) or {}
-            host = HostModel.of_steps(list(run.get("rounds", ())) + list(
-                run.get("prefill_steps", ())))
-            if host is None:  # the host attended nothing there
-                config = replace(config, host_attention="off")
-        setup = ReplaySetup(mode=mode, config=config, geometry=geometry,
-                            prompts=tuple(record["context_lengths"]),
-                            output_len=record["output_len"], acceptance=acceptance,
-                            cost=costs[mode], link_bw=link_rate(record), host=host)
-        got = replay_mean(setup, seeds=REPLAY_SEEDS).result
-        out[name] = {"throughput": got.throughput, "tpot_s": got.tpot_s,
-                     "throughput_error": report.rel_error(got.throughput,
-                                                          measured["output_tokens_per_s"]),
-                     "tpot_error": report.rel_error(got.tpot_s, measured["tpot_s"])}
-    return out
-
-
-def _target_dir() -> Path:
-    from specstream.llm import default_model_dir
-
-    return default_model_dir("target")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
@@ -328,7 +269,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=HERE / "results")
     ap.add_argument("--name", default=None,
                     help="file stem of the JSON and markdown (default: matrix, or matrix-smoke)")
+    ap.add_argument("--save-steps", action="store_true",
+                    help="also write every run's step records and resolved configs to "
+                         "<results>/<name>-steps.pkl.gz, so --replay-only can refit the "
+                         "simulator without running the cells again")
+    ap.add_argument("--replay-only", type=Path, default=None, metavar="STEPS",
+                    help="skip the runs: load a --save-steps file and recompute the replay "
+                         "and the figures (written under --name, default <its stem>-replay)")
     args = ap.parse_args(argv)
+    if args.replay_only is not None:
+        return sim.replay_only(args.replay_only, args.results, args.name)
     by_name = {c.name: c for c in DESIGN}
     names = args.cells.split(",") if args.cells else list(by_name)
     unknown = [n for n in names if n not in by_name] + [
@@ -351,13 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         records.append(run_cell(cell, DESIGN.index(cell), out_len, grid, log, args.repeats))
         left = report.estimate_seconds(records, cells[i + 1:], grid, out_len, args.repeats)
         log(f"cell {cell.name} done; about {left / 60:.0f} min left")
-    for i, rec in enumerate(records):
-        if len(records) > 1:
-            try:
-                rec["sim"] = simulate(rec, records[(i + 1) % len(records)])
-            except (ValueError, RuntimeError) as e:
-                rec["sim"] = {"error": f"{type(e).__name__}: {e}"}
-        rec["analysis"] = report.analyse(rec)
+    sim.add_replay(records)
     full = {n: report.estimate_seconds(records, list(DESIGN), DEFAULT_GRID, n, 1)
             for n in (OUTPUT_LEN, 24)}
     out = {
@@ -374,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         "cells": [{k: v for k, v in r.items() if not k.startswith("_")} for r in records],
     }
     out["summary"] = report.summary(out["cells"])
+    if args.save_steps:
+        sim.save_steps(out, records, args.results / f"{stem}-steps.pkl.gz")
     (args.results / f"{stem}.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
     md = report.markdown(out)
     (args.results / f"{stem}.md").write_text(md)

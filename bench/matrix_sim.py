@@ -1,0 +1,129 @@
+"""bench/matrix.py's simulator figures: each cell's step replay (``specstream.sim.replay``)
+with step costs fitted on another cell's runs, and the saved step records (``--save-steps``)
+that let ``--replay-only`` refit it without running the cells again."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import pickle
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+REPLAY_SEEDS = 8  # acceptance draws the replay averages over
+
+
+def _beside(name: str) -> Any:
+    """``bench/<name>.py``, imported by its path (bench/ is no package)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+report = _beside("matrix_report")
+BASELINE = report.BASELINE
+
+
+def link_rate(record: dict[str, Any]) -> float:
+    """The link as the cell's copies achieved it: bytes moved over the time it was busy."""
+    runs = [r for r in record["_steps"].values() if r.get("link_busy_s")]
+    moved = sum(r["link_bytes_h2d"] + r["link_bytes_d2h"] for r in runs)
+    busy = sum(r["link_busy_s"] for r in runs)
+    return moved / busy if busy else record["cell"]["link_gbps"] * 1e9
+
+
+def simulate(record: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
+    """The step replay of this cell's default and offload-spec runs, their step costs fitted
+    on ``source``'s (another cell) resident, default and offload-spec runs."""
+    from specstream.models.config import ModelConfig
+    from specstream.models.loader import resolve_dtype
+    from specstream.sim.engine_model import Geometry
+    from specstream.sim.host_replay import HostModel
+    from specstream.sim.replay import ReplaySetup, replay_mean
+    from specstream.sim.step_cost import fit_modes
+    from specstream.sim.workload import AcceptanceModel
+
+    as_mode = {"resident": "resident", "default": "specstream", BASELINE: "offload-spec"}
+    fit_on = {m: source["_steps"][n] for n, m in as_mode.items() if n in source["_steps"]}
+    costs = fit_modes(fit_on, link_rate(source))
+    chain = record["_steps"].get("q4") or record["_steps"].get(BASELINE)
+    mean = min(max(chain["mean_accepted_len"], 1.0), 4.999) if chain else 1.0
+    acceptance = AcceptanceModel.from_mean(mean, 4)
+    out: dict[str, Any] = {"costs_from": source["cell"]["name"], "alpha": acceptance.alpha}
+    for name in ("default", BASELINE):
+        cfg, measured = record["_configs"].get(name), record["_steps"].get(name)
+        mode = as_mode[name]
+        if cfg is None or measured is None or mode not in costs:
+            continue
+        tcfg = ModelConfig.from_dir(_target_dir())
+        geometry = Geometry(tcfg.num_layers,
+                            tcfg.kv_bytes_per_token(resolve_dtype(cfg.dtype, "cpu").itemsize))
+        config, host = replace(cfg, link_gbps=None), None
+        if config.host_attends:  # the host's costs as the other cell's same run measured them
+            run = source["_steps"].get(name) or {}
+            host = HostModel.of_steps(list(run.get("rounds", ())) + list(
+                run.get("prefill_steps", ())))
+            if host is None:  # the host attended nothing there
+                config = replace(config, host_attention="off")
+        setup = ReplaySetup(mode=mode, config=config, geometry=geometry,
+                            prompts=tuple(record["context_lengths"]),
+                            output_len=record["output_len"], acceptance=acceptance,
+                            cost=costs[mode], link_bw=link_rate(record), host=host)
+        got = replay_mean(setup, seeds=REPLAY_SEEDS).result
+        out[name] = {"throughput": got.throughput, "tpot_s": got.tpot_s,
+                     "throughput_error": report.rel_error(got.throughput,
+                                                          measured["output_tokens_per_s"]),
+                     "tpot_error": report.rel_error(got.tpot_s, measured["tpot_s"])}
+    return out
+
+
+def add_replay(records: list[dict[str, Any]]) -> None:
+    """Each cell's replay, its costs fitted on the next cell's runs, and its figures."""
+    for i, rec in enumerate(records):
+        if len(records) > 1:
+            try:
+                rec["sim"] = simulate(rec, records[(i + 1) % len(records)])
+            except (ValueError, RuntimeError) as e:
+                rec["sim"] = {"error": f"{type(e).__name__}: {e}"}
+        rec["analysis"] = report.analyse(rec)
+
+
+def save_steps(out: dict[str, Any], records: list[dict[str, Any]], path: Path) -> None:
+    """The cells' records with their step records and resolved configs, and the run's other
+    fields (``--save-steps``)."""
+    with gzip.open(path, "wb") as f:
+        pickle.dump({"out": {k: v for k, v in out.items() if k != "cells"},
+                     "records": records}, f)
+
+
+def replay_only(path: Path, results: Path, name: str | None) -> int:
+    """``--replay-only``: the replay and the figures of saved cells, nothing run again (the
+    runs' figures are the saved ones; only ``sim`` and ``analysis`` are recomputed)."""
+    with gzip.open(path, "rb") as f:
+        saved = pickle.load(f)
+    records: list[dict[str, Any]] = saved["records"]
+    add_replay(records)
+    out = {**saved["out"], "replayed_from": path.name,
+           "cells": [{k: v for k, v in r.items() if not k.startswith("_")} for r in records]}
+    out["summary"] = report.summary(out["cells"])
+    stem = name or path.name.removesuffix(".pkl.gz").removesuffix("-steps") + "-replay"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{stem}.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
+    md = report.markdown(out)
+    (results / f"{stem}.md").write_text(md)
+    print(md)
+    return 0
+
+
+def _target_dir() -> Path:
+    from specstream.llm import default_model_dir
+
+    return default_model_dir("target")
