@@ -211,6 +211,8 @@ class RoundCosts:
     draft_per_node_s: float = 0.0  # ... and per node drafted in it (all requests)
     # drafting's one-off cost, spread over the rounds that follow: the draft catching up on
     # tokens it has not seen (a request that never drafted prefills its window), per round
+    # and per token a request gets from the round (a shape that yields more tokens a round
+    # leaves fewer rounds to spread the cost over: ``draft_s``'s ``tokens``)
     draft_setup_s: float = 0.0
     # host_attention "auto": a verified request's cold history per round, the link's rate, the
     # host's seconds per byte (fixed part, per query position of a request) and the device
@@ -232,20 +234,24 @@ class RoundCosts:
         return transfer_s(num_requests * self.cold_bytes, self.link_bps, per_byte,
                           self.host_serial_s)
 
-    def draft_s(self, shape: Shape, num_requests: int) -> float:
-        """The draft forwards of ``shape`` for ``num_requests`` requests (0: no drafts)."""
+    def draft_s(self, shape: Shape, num_requests: int, tokens: float = 1.0) -> float:
+        """The draft forwards of ``shape`` for ``num_requests`` requests (0: no drafts), and
+        the catching up charged to a round that gives each request ``tokens`` tokens."""
         if not shape.depth:
             return 0.0
         per_level = num_requests * shape.num_nodes / shape.levels
         return (shape.levels * (self.draft_level_s + self.draft_per_node_s * per_level)
-                + self.draft_setup_s)
+                + self.draft_setup_s * tokens)
 
-    def round_s(self, shape: Shape, num_requests: int, drafting: str) -> float:
+    def round_s(self, shape: Shape, num_requests: int, drafting: str,
+                tokens: float = 1.0) -> float:
+        """A round of ``shape`` for ``num_requests`` requests, each getting ``tokens`` tokens
+        from it (what the catching up charged to it scales with: ``draft_setup_s``)."""
         link = self.history_s(shape, num_requests)
         positions = num_requests * (1 + shape.num_nodes)
         verify = (self.verify_base_s + self.verify_per_request_s * num_requests
                   + self.verify_per_position_s * positions)
-        draft = self.draft_s(shape, num_requests)
+        draft = self.draft_s(shape, num_requests, tokens)
         if drafting is Drafting.GAPS:
             return max(link, verify + draft)
         if drafting is Drafting.PARALLEL:
@@ -260,8 +266,8 @@ def choose(candidates: Sequence[Shape], num_requests: int, costs: RoundCosts,
         raise ValueError("no candidate shapes")
 
     def rate(s: Shape) -> tuple[float, int]:
-        t = costs.round_s(s, num_requests, drafting)
-        return (num_requests * expected_tokens(s, acc) / t if t > 0 else float("inf"),
-                -s.num_nodes)
+        tokens = expected_tokens(s, acc)
+        t = costs.round_s(s, num_requests, drafting, tokens)
+        return (num_requests * tokens / t if t > 0 else float("inf"), -s.num_nodes)
 
     return max(candidates, key=rate)

@@ -30,9 +30,12 @@ is wasted wherever speculation turns out not to pay.
 
 Catching up: before drafting, a draft model feeds the tokens it has not seen (a request that
 never drafted: its sinks and window). The scheduler counts them per request, divided by the
-tokens the request may still generate, and that share of the draft's time per token caught up
-on (measured on steps that mostly caught up; before that, the target's prefill time per token
-scaled by the draft's share of the parameters) counts in every drafting round. An exploration
+tokens the request may still generate (requests still prefilling too: they draft right after
+their last chunk, in the shape of that step), and that share of the draft's time per token
+caught up on (measured on steps that mostly caught up; before that, the target's prefill time
+per token scaled by the draft's share of the parameters) counts in every drafting round, times
+the tokens a request gets from the round: a request that gets E tokens a round has room / E
+rounds left to spread the cost over, so a round pays E / room of it. An exploration
 is skipped where its catching up would cost more than ``explore_share`` of the rounds since the
 last one.
 """
@@ -251,7 +254,7 @@ class RoundShaper:
         ``catch_up``: the tokens the draft must feed before drafting for them (what it has not
         seen), each request's divided by the tokens it has left to generate: drafting's
         one-off cost spread over the rest of the requests' lives, counted in every round
-        that drafts (a round makes at least one token per request)."""
+        that drafts, times the tokens the round's shape is expected to give a request."""
         self.decisions += 1
         self.probing = self.exploring = False
         if history_tokens is not None and num_requests:

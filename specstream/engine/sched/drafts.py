@@ -32,7 +32,9 @@ class DraftPlanner:
         if self.shaper is None:
             return
         decoding = sum(not r.in_prefill for r in running)
-        share = sum(self.unseen(r) / max(1, self.room(r)) for r in running if not r.in_prefill)
+        # every running request's catching up, those still prefilling too: a request drafts
+        # right after its last prefill chunk, in the shape chosen for that step
+        share = sum(self.unseen(r) / max(1, self.room(r)) for r in running)
         groups = 2 if two_groups else 1
         history = sum(r.num_tokens for r in running if not r.in_prefill)
         self.shape = self.shaper.shape(-(-decoding // groups), catch_up=share / groups,
