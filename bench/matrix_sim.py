@@ -48,22 +48,27 @@ def simulate(record: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
     from specstream.sim.engine_model import Geometry
     from specstream.sim.host_replay import HostModel
     from specstream.sim.replay import ReplaySetup, replay_mean
-    from specstream.sim.step_cost import fit_modes
+    from specstream.sim.step_cost import fit_modes, pairs_per_query_token
     from specstream.sim.workload import AcceptanceModel
 
     as_mode = {"resident": "resident", "default": "specstream", BASELINE: "offload-spec"}
     fit_on = {m: source["_steps"][n] for n, m in as_mode.items() if n in source["_steps"]}
-    costs = fit_modes(fit_on, link_rate(source))
+    tcfg = ModelConfig.from_dir(_target_dir())
+    # a cell's requests are all of one length: its attention pairs move with its query
+    # tokens, and the pair's price comes from the model's shape (step_cost.fit_modes)
+    prior = pairs_per_query_token(tcfg.num_layers, tcfg.hidden_size, tcfg.num_heads,
+                                  tcfg.num_kv_heads, tcfg.head_dim, tcfg.intermediate_size)
+    costs = fit_modes(fit_on, link_rate(source), pair_prior=prior)
     chain = record["_steps"].get("q4") or record["_steps"].get(BASELINE)
     mean = min(max(chain["mean_accepted_len"], 1.0), 4.999) if chain else 1.0
     acceptance = AcceptanceModel.from_mean(mean, 4)
-    out: dict[str, Any] = {"costs_from": source["cell"]["name"], "alpha": acceptance.alpha}
+    out: dict[str, Any] = {"costs_from": source["cell"]["name"], "alpha": acceptance.alpha,
+                           "costs": {m: c.describe() for m, c in costs.items()}}
     for name in ("default", BASELINE):
         cfg, measured = record["_configs"].get(name), record["_steps"].get(name)
         mode = as_mode[name]
         if cfg is None or measured is None or mode not in costs:
             continue
-        tcfg = ModelConfig.from_dir(_target_dir())
         geometry = Geometry(tcfg.num_layers,
                             tcfg.kv_bytes_per_token(resolve_dtype(cfg.dtype, "cpu").itemsize))
         config, host = replace(cfg, link_gbps=None), None

@@ -51,7 +51,7 @@ give ``max(target + wait, draft)``; the datacenter pipeline models that, ``pipel
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -200,14 +200,51 @@ def _concurrent(name: str, v: dict[str, Any]) -> bool:
     return drafting == "parallel"
 
 
-def fit_modes(modes: dict[str, dict[str, Any]], link_bw: float) -> dict[str, StepCost]:
+def pairs_per_query_token(num_layers: int, hidden: int, num_heads: int, num_kv_heads: int,
+                          head_dim: int, intermediate: int) -> float:
+    """Attention pairs (query x key positions) that cost what one query token's linear
+    layers cost, by multiply-adds: the projections and the MLP over QK and PV a pair.
+    On the embedded target, 2,048; a run whose pairs varied apart from its query tokens
+    fitted 1,950 (``fit_modes``'s ``pair_prior``)."""
+    linear = num_layers * (hidden * (num_heads + 2 * num_kv_heads) * head_dim
+                           + num_heads * head_dim * hidden + 3 * hidden * intermediate)
+    return linear / (num_layers * num_heads * head_dim * 2)
+
+
+PAIR_SPREAD = 0.25  # pairs per query token varying by less (coefficient of variation): no spread
+
+
+def pairs_without_spread(modes: dict[str, dict[str, Any]]) -> bool:
+    """Whether the runs' attention pairs moved only with their query tokens: every request of
+    one length, prefilled in chunks as long as the prompt and verified at about that context,
+    so a pair's price and a query token's cannot be told apart (a fit gives either a share of
+    the other's, and the split extrapolates to another context length at random)."""
+    ratios = [float(f.attention_pairs) / f.query_tokens
+              for v in modes.values() if v.get("rounds")
+              for f in map(StepFeatures.of_record,
+                           list(v["rounds"]) + list(v.get("prefill_steps") or []))
+              if f.query_tokens > 0]
+    if len(ratios) < 2:
+        return True
+    mean = float(np.mean(ratios))
+    return bool(mean <= 0 or float(np.std(ratios)) / mean < PAIR_SPREAD)
+
+
+def fit_modes(modes: dict[str, dict[str, Any]], link_bw: float,
+              pair_prior: float | None = None) -> dict[str, StepCost]:
     """Step costs of every mode of a bench JSON (``modes``: name -> its ``rounds`` and
     ``prefill_steps``), fitted jointly: the target's forward (the ``SHARED`` columns) is the
     same code in every mode, so those coefficients are shared (five modes' steps pin them
     down: a prefill chunk costs the same whichever mode carries it); the constant and the
     draft columns are the mode's own (its drafting strategy, its per-step overheads). A mode
     that drafts on a second worker has its draft columns fitted on the measured draft time,
-    and only the part of it the wait does not cover taken off its compute (module docstring)."""
+    and only the part of it the wait does not cover taken off its compute (module docstring).
+    ``pair_prior`` (``pairs_per_query_token``): where the runs' pairs moved only with their
+    query tokens (``pairs_without_spread``), a pair costs a query token's price over it, and
+    the two columns are fitted as one."""
+    if pair_prior is not None and pair_prior > 0 and pairs_without_spread(modes):
+        tied = fit_modes(_pairs_as_tokens(modes, pair_prior), link_bw)
+        return {m: replace(c, coef=_untie(c.coef, pair_prior)) for m, c in tied.items()}
     names = [m for m, v in modes.items() if v.get("rounds")]
     concurrent = {m for m in names if _concurrent(m, modes[m])}
     drafts = {m: _fit_draft(modes[m]) for m in concurrent}
@@ -244,6 +281,27 @@ def fit_modes(modes: dict[str, dict[str, Any]], link_bw: float) -> dict[str, Ste
                 coef[i] = x
         out[name] = StepCost(tuple(coef), concurrent_draft=name in concurrent)
     return out
+
+
+def _pairs_as_tokens(modes: dict[str, dict[str, Any]],
+                     ratio: float) -> dict[str, dict[str, Any]]:
+    """The runs with each step's pairs folded into its query tokens at ``ratio`` pairs a
+    token (and no pairs left): the fit's query-token column is then the two together."""
+    def fold(r: dict[str, Any]) -> dict[str, Any]:
+        f = StepFeatures.of_record(r)
+        return {**r, "query_tokens": f.query_tokens + f.attention_pairs / ratio,
+                "attention_pairs": 0.0}
+
+    return {m: {**v, "rounds": [fold(r) for r in v.get("rounds") or []],
+                "prefill_steps": [fold(r) for r in v.get("prefill_steps") or []]}
+            for m, v in modes.items()}
+
+
+def _untie(coef: tuple[float, ...], ratio: float) -> tuple[float, ...]:
+    """A tied fit's coefficients with the pair's price set from the query token's."""
+    out = list(coef)
+    out[2] = out[1] / ratio
+    return tuple(out)
 
 
 MIN_STEP_S = 1e-3  # a step's time below which its weight stops growing (no forward is faster)
