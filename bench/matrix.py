@@ -276,9 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replay-only", type=Path, default=None, metavar="STEPS",
                     help="skip the runs: load a --save-steps file and recompute the replay "
                          "and the figures (written under --name, default <its stem>-replay)")
+    ap.add_argument("--calibration", choices=("pair", "next"), default="pair",
+                    help="the cells a cell's replay fits its step costs on: the next cell and "
+                         "the first after it of another prompt length (pair), or the next "
+                         "cell alone (next)")
     args = ap.parse_args(argv)
     if args.replay_only is not None:
-        return sim.replay_only(args.replay_only, args.results, args.name)
+        return sim.replay_only(args.replay_only, args.results, args.name, args.calibration)
     by_name = {c.name: c for c in DESIGN}
     names = args.cells.split(",") if args.cells else list(by_name)
     unknown = [n for n in names if n not in by_name] + [
@@ -301,12 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         records.append(run_cell(cell, DESIGN.index(cell), out_len, grid, log, args.repeats))
         left = report.estimate_seconds(records, cells[i + 1:], grid, out_len, args.repeats)
         log(f"cell {cell.name} done; about {left / 60:.0f} min left")
-    sim.add_replay(records)
+    sim.add_replay(records, args.calibration)
     full = {n: report.estimate_seconds(records, list(DESIGN), DEFAULT_GRID, n, 1)
             for n in (OUTPUT_LEN, 24)}
     out = {
         "bench": "bench/matrix.py", "quick": args.quick, "output_len": out_len,
-        "repeats": args.repeats,
+        "repeats": args.repeats, "calibration": args.calibration,
         "grid": list(grid),
         "fixed_base": FIXED, "grid_points": {g: GRID[g] for g in grid},
         "factors": FACTORS, "design": [asdict(c) for c in DESIGN],

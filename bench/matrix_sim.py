@@ -40,9 +40,40 @@ def link_rate(record: dict[str, Any]) -> float:
     return moved / busy if busy else record["cell"]["link_gbps"] * 1e9
 
 
-def simulate(record: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
+def sources_of(records: list[dict[str, Any]], i: int, calibration: str) -> list[dict[str, Any]]:
+    """The cells cell ``i``'s replay takes its step costs from, never itself: ``next``, the
+    next cell of the selection; ``pair``, that cell and the first cell after it whose prompts
+    are of another length (a calibration pair: in one cell every request is of one length,
+    so a request's price and its context tokens' cannot be told apart, and a price fitted at
+    1K extrapolates to 6K at random)."""
+    n = len(records)
+    first = records[(i + 1) % n]
+    if calibration == "next":
+        return [first]
+    for k in range(2, n):
+        other = records[(i + k) % n]
+        if other["cell"]["context"] != first["cell"]["context"]:
+            return [first, other]
+    return [first]
+
+
+def _merged_steps(sources: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    """Run ``name``'s steps of every source cell, each step stamped with its cell's link."""
+    runs = [(src, src["_steps"].get(name)) for src in sources]
+    if any(r is None for _, r in runs):
+        return None
+
+    def stamp(rows: list[dict[str, Any]], src: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{**r, "link_bytes_per_s": link_rate(src)} for r in rows]
+
+    return {"rounds": [x for src, r in runs for x in stamp(list(r["rounds"]), src)],
+            "prefill_steps": [x for src, r in runs
+                              for x in stamp(list(r.get("prefill_steps") or []), src)]}
+
+
+def simulate(record: dict[str, Any], sources: list[dict[str, Any]]) -> dict[str, Any]:
     """The step replay of this cell's default and offload-spec runs, their step costs fitted
-    on ``source``'s (another cell) resident, default and offload-spec runs."""
+    on the ``sources`` cells' (never this one) resident, default and offload-spec runs."""
     from specstream.models.config import ModelConfig
     from specstream.models.loader import resolve_dtype
     from specstream.sim.engine_model import Geometry
@@ -52,17 +83,19 @@ def simulate(record: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
     from specstream.sim.workload import AcceptanceModel
 
     as_mode = {"resident": "resident", "default": "specstream", BASELINE: "offload-spec"}
-    fit_on = {m: source["_steps"][n] for n, m in as_mode.items() if n in source["_steps"]}
+    merged = {m: _merged_steps(sources, n) for n, m in as_mode.items()}
+    fit_on = {m: v for m, v in merged.items() if v is not None}
     tcfg = ModelConfig.from_dir(_target_dir())
     # a cell's requests are all of one length: its attention pairs move with its query
     # tokens, and the pair's price comes from the model's shape (step_cost.fit_modes)
     prior = pairs_per_query_token(tcfg.num_layers, tcfg.hidden_size, tcfg.num_heads,
                                   tcfg.num_kv_heads, tcfg.head_dim, tcfg.intermediate_size)
-    costs = fit_modes(fit_on, link_rate(source), pair_prior=prior)
+    costs = fit_modes(fit_on, link_rate(sources[0]), pair_prior=prior)
     chain = record["_steps"].get("q4") or record["_steps"].get(BASELINE)
     mean = min(max(chain["mean_accepted_len"], 1.0), 4.999) if chain else 1.0
     acceptance = AcceptanceModel.from_mean(mean, 4)
-    out: dict[str, Any] = {"costs_from": source["cell"]["name"], "alpha": acceptance.alpha,
+    out: dict[str, Any] = {"costs_from": "+".join(s["cell"]["name"] for s in sources),
+                           "alpha": acceptance.alpha,
                            "costs": {m: c.describe() for m, c in costs.items()}}
     for name in ("default", BASELINE):
         cfg, measured = record["_configs"].get(name), record["_steps"].get(name)
@@ -72,8 +105,8 @@ def simulate(record: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
         geometry = Geometry(tcfg.num_layers,
                             tcfg.kv_bytes_per_token(resolve_dtype(cfg.dtype, "cpu").itemsize))
         config, host = replace(cfg, link_gbps=None), None
-        if config.host_attends:  # the host's costs as the other cell's same run measured them
-            run = source["_steps"].get(name) or {}
+        if config.host_attends:  # the host's costs as the other cells' same run measured them
+            run = _merged_steps(sources, name) or {}
             host = HostModel.of_steps(list(run.get("rounds", ())) + list(
                 run.get("prefill_steps", ())))
             if host is None:  # the host attended nothing there
@@ -90,12 +123,13 @@ def simulate(record: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def add_replay(records: list[dict[str, Any]]) -> None:
-    """Each cell's replay, its costs fitted on the next cell's runs, and its figures."""
+def add_replay(records: list[dict[str, Any]], calibration: str = "pair") -> None:
+    """Each cell's replay, its costs fitted on other cells' runs (``sources_of``), and its
+    figures."""
     for i, rec in enumerate(records):
         if len(records) > 1:
             try:
-                rec["sim"] = simulate(rec, records[(i + 1) % len(records)])
+                rec["sim"] = simulate(rec, sources_of(records, i, calibration))
             except (ValueError, RuntimeError) as e:
                 rec["sim"] = {"error": f"{type(e).__name__}: {e}"}
         rec["analysis"] = report.analyse(rec)
@@ -109,14 +143,14 @@ def save_steps(out: dict[str, Any], records: list[dict[str, Any]], path: Path) -
                      "records": records}, f)
 
 
-def replay_only(path: Path, results: Path, name: str | None) -> int:
+def replay_only(path: Path, results: Path, name: str | None, calibration: str = "pair") -> int:
     """``--replay-only``: the replay and the figures of saved cells, nothing run again (the
     runs' figures are the saved ones; only ``sim`` and ``analysis`` are recomputed)."""
     with gzip.open(path, "rb") as f:
         saved = pickle.load(f)
     records: list[dict[str, Any]] = saved["records"]
-    add_replay(records)
-    out = {**saved["out"], "replayed_from": path.name,
+    add_replay(records, calibration)
+    out = {**saved["out"], "replayed_from": path.name, "calibration": calibration,
            "cells": [{k: v for k, v in r.items() if not k.startswith("_")} for r in records]}
     out["summary"] = report.summary(out["cells"])
     stem = name or path.name.removesuffix(".pkl.gz").removesuffix("-steps") + "-replay"

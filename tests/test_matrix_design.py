@@ -5,6 +5,7 @@ figures (ratios, floors, targets) from a hand-built record (no timing is asserte
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -122,3 +123,36 @@ def test_estimate_scales_with_the_measured_time() -> None:
     rec["run_seconds"] = {k: 2 * v for k, v in rec["run_seconds"].items()}
     assert report.estimate_seconds([rec], [cell], ("q4",), 32) == pytest.approx(2 * one)
     assert report.rel_error(11.0, 10.0) == pytest.approx(0.1)
+
+
+def test_the_calibration_pair_has_two_prompt_lengths_and_never_the_cell() -> None:
+    """A cell's replay fits its costs on the next cell and the first after it whose prompts
+    are of another length (``--calibration pair``), or on the next alone (``next``)."""
+    cells = [{"cell": {"name": c.name, "context": c.context}} for c in matrix.DESIGN]
+    for i, cell in enumerate(cells):
+        pair = matrix.sim.sources_of(cells, i, "pair")
+        assert cell not in pair and pair[0] is cells[(i + 1) % len(cells)]
+        assert len(pair) == 2 and pair[0]["cell"]["context"] != pair[1]["cell"]["context"]
+        assert matrix.sim.sources_of(cells, i, "next") == [pair[0]]
+    one_length = [{"cell": {"name": f"x{i}", "context": 1024}} for i in range(3)]
+    assert len(matrix.sim.sources_of(one_length, 0, "pair")) == 1  # no other length to pair
+
+
+def test_saved_steps_replay_to_the_same_figures(tmp_path: Path) -> None:
+    """``--save-steps`` then ``--replay-only``: the runs' figures come back as they were (one
+    cell: nothing to replay it from, so only the analysis is recomputed)."""
+    rec = {"cell": {"name": "c01", "context": 1024, "budget": 0.6, "link_gbps": 0.1,
+                    "prompts": "text"}, "context_lengths": [1024] * 2,
+           "output_len": 32, "repeats": 1,
+           "runs": {n: {"output_tokens_per_s": t, "mean_accepted_len": 1.0,
+                        "outputs_match_reference": True}
+                    for n, t in (("resident", 10.0), ("default", 9.8), ("q0", 10.0))},
+           "_steps": {}, "_configs": {}}
+    out = {"quick": False, "grid": ["q0"], "wall_s": 60.0, "repeats": 1,
+           "estimated_full_run_s": {"32": 600.0}}
+    path = tmp_path / "m-steps.pkl.gz"
+    matrix.sim.save_steps(out, [rec], path)
+    assert matrix.sim.replay_only(path, tmp_path, None) == 0
+    again = json.loads((tmp_path / "m-replay.json").read_text())
+    assert again["cells"][0]["runs"] == rec["runs"]
+    assert again["cells"][0]["analysis"]["default_over_best_fixed"] == pytest.approx(0.98)

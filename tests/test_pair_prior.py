@@ -86,3 +86,20 @@ def test_a_run_with_spread_fits_its_own_price():
     wrong = fit_modes(run, 1e9, pair_prior=4 * PAIRS_A_TOKEN)["resident"]
     assert wrong.coef == free.coef
     assert free.coef[2] == pytest.approx(PER_TOKEN_S / PAIRS_A_TOKEN, rel=0.15)
+
+
+def test_a_mode_that_hardly_drafted_borrows_the_draft_costs():
+    """Random prompts: the round-shape policy drafted in no step of ``specstream``'s run, so
+    its draft columns have nothing to fit on; it takes those of the run that drafted (a zero
+    would read as free drafts wherever a replay drafts)."""
+    drafting = _one_length_run(1024)["resident"]["rounds"]
+    for r in drafting:
+        r["draft_tokens"], r["draft_seqs"] = 4 * r["num_seqs"], r["num_seqs"]
+        r["compute_s"] += 0.002 * r["draft_tokens"]  # 2 ms a draft token
+    modes = {"resident": {"rounds": drafting, "prefill_steps": []},
+             "specstream": _one_length_run(1024, 1)["resident"]}
+    costs = fit_modes(modes, 1e9, pair_prior=PAIRS_A_TOKEN)
+    f = StepFeatures(query_tokens=5, attention_pairs=5 * 1030, context_tokens=1030,
+                     num_seqs=1, draft_tokens=4, draft_seqs=1)
+    for name in ("resident", "specstream"):
+        assert costs[name].compute_s(f)[1] == pytest.approx(0.008, rel=0.15)

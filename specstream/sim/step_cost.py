@@ -183,11 +183,12 @@ def _target(r: dict[str, Any], f: StepFeatures, link_bw: float) -> float:
     """A measured step's compute. A step that carried a prefill chunk copied the chunk's KV to
     the host right after it, inside its compute time; that copy is costed on the link
     (``StepCost.seconds``), so its share (the step's device-to-host bytes at the link rate) is
-    taken off."""
+    taken off (at the record's own ``link_bytes_per_s`` where it has one: steps of runs over
+    different links fitted together)."""
     y = float(r["compute_s"])
     if f.prefill_tokens:
         d2h = max(0.0, float(r.get("link_bytes", 0)) - f.history_bytes)
-        y = max(0.0, y - d2h / link_bw)
+        y = max(0.0, y - d2h / float(r.get("link_bytes_per_s", link_bw)))
     return y
 
 
@@ -280,6 +281,38 @@ def fit_modes(modes: dict[str, dict[str, Any]], link_bw: float,
             for i, x in zip(DRAFT_COLUMNS, drafts[name], strict=True):
                 coef[i] = x
         out[name] = StepCost(tuple(coef), concurrent_draft=name in concurrent)
+    return _borrow_draft_costs(out, {m: _drafting_steps(modes[m]) for m in names}, concurrent)
+
+
+MIN_DRAFTING_STEPS = 8  # a mode that drafted in fewer steps has no draft costs of its own
+
+
+def _drafting_steps(v: dict[str, Any]) -> int:
+    return sum(1 for r in list(v["rounds"]) + list(v.get("prefill_steps") or [])
+               if float(r.get("draft_tokens", 0)) > 0)
+
+
+def _borrow_draft_costs(costs: dict[str, StepCost], drafting: dict[str, int],
+                        concurrent: set[str]) -> dict[str, StepCost]:
+    """A mode whose run hardly drafted (the round-shape policy chose no drafts: random
+    prompts) has nothing to fit its draft columns on, and they come out 0, which a replay of
+    that mode on a workload where drafting pays reads as free drafts. It takes the draft
+    columns of the mode of the same runs that drafted most (the same draft model's forwards;
+    a second worker's are timed apart, so it lends to and borrows from its own kind only)."""
+    out = dict(costs)
+    for name, cost in costs.items():
+        if drafting[name] >= MIN_DRAFTING_STEPS:
+            continue
+        kind = name in concurrent
+        lenders = [m for m in costs if (m in concurrent) == kind
+                   and drafting[m] >= MIN_DRAFTING_STEPS]
+        if not lenders:
+            continue
+        lender = costs[max(lenders, key=lambda m: drafting[m])]
+        coef = list(cost.coef)
+        for i in DRAFT_COLUMNS:
+            coef[i] = lender.coef[i]
+        out[name] = replace(cost, coef=tuple(coef))
     return out
 
 
