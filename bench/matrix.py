@@ -27,8 +27,10 @@ The other engine knobs (chunks, staging, tails) are the code's defaults in every
 of the runs rotates from cell to cell. Per cell (``matrix_report.py``): the default over the best
 fixed point (target >= 0.97), the fixed q = 4 fill run's link bytes per round over the floor
 (target <= 1.10), and the step replay's error (``specstream.sim.replay``) predicting the
-default's and offload-spec's throughput and TPOT with step costs fitted on ANOTHER cell's runs
-(the next cell of the selection; targets 15% / 25%): the cell's own link rate, prompt lengths
+default's and offload-spec's throughput and TPOT with step costs fitted on OTHER cells' runs
+(``--calibration pair``, the default: the next cell of the selection and the first after it
+whose prompts are of another length; ``next``: the next cell alone; targets 15% / 25%;
+``bench/matrix_sim.py``): the cell's own link rate, prompt lengths
 and per-token acceptance (from its q = 4 chain) are the inputs. One run of each configuration
 a cell by default; ``--repeats N`` runs them N times, interleaved, and keeps the median run: the
 best of eight single runs is biased up by the machine's noise (on a loaded two-core machine one

@@ -135,7 +135,7 @@ def markdown(out: dict[str, Any]) -> str:
              "kept). tok/s = output tokens over wall time; `default` = `specstream` "
              "as the code's defaults build it; best fixed of: " + ", ".join(out["grid"]) +
              f"; targets: default/best >= {DEFAULT_OVER_BEST}, fill bytes/floor <= "
-             f"{FILL_OVER_FLOOR}, replay error (default, costs fitted on another cell) "
+             f"{FILL_OVER_FLOOR}, replay error (default, costs fitted on other cells) "
              f"<= {SIM_THROUGHPUT:.0%} throughput / {SIM_TPOT:.0%} TPOT.", "",
              "| cell | workload | default tok/s | best fixed | default / best (decode-only) "
              "| offload-spec "
