@@ -81,3 +81,21 @@ def test_a_prefilling_request_counts_its_catching_up():
     assert prefilling.in_prefill
     planner.choose_shape([prefilling], two_groups=False)
     assert shaper.asked == [(0, pytest.approx(1000 / 32))]
+
+
+def test_expected_tokens_follow_every_observation():
+    """The expected tokens a decision reads are kept until the next observation (rounds
+    without drafts observe nothing, and a decision prices ~40 shapes): each answer equals a
+    fresh estimate's with the same observations, before and after one."""
+    shapes = [Shape(4), Shape(8), Shape(4, topk=4, nodes=16), Shape(8, topk=2, nodes=32)]
+    kept, history = AcceptanceEstimate(), []
+    for drafts, accepted in [(4, 4), (4, 0), (8, 3), (2, 2)]:
+        fresh = AcceptanceEstimate()
+        for d, a in history:
+            fresh.observe_chain(d, a)
+        for s in shapes:
+            assert expected_tokens(s, kept) == pytest.approx(expected_tokens(s, fresh),
+                                                             rel=1e-12)
+        kept.observe_chain(drafts, accepted)
+        history.append((drafts, accepted))
+    assert expected_tokens(Shape(4), kept) != expected_tokens(Shape(4), AcceptanceEstimate())

@@ -90,6 +90,9 @@ class AcceptanceEstimate:
     depth_tries: list[float] = field(default_factory=list)
     # ``table``'s answers since the last observation: a decision prices ~40 shapes
     _memo: dict[tuple[int, int], list[list[float]]] = field(default_factory=dict, repr=False)
+    # ``expected_tokens``'s answers since the last observation: while no drafts are verified
+    # (the choice is no speculation) nothing is observed, and a decision reads them all here
+    _expected: dict[Shape, float] = field(default_factory=dict, repr=False)
 
     def pooled(self, rank: int) -> float:
         """The rank-``rank`` candidate's acceptance over every depth."""
@@ -129,6 +132,7 @@ class AcceptanceEstimate:
         the draft offered ``num_candidates`` candidates for the next token and the target's
         was ``matched_rank`` (or none)."""
         self._memo.clear()
+        self._expected.clear()
         while len(self.tries) < num_candidates:
             self.tries.append(0.0)
             self.hits.append(0.0)
@@ -162,6 +166,13 @@ def expected_tokens(shape: Shape, acc: AcceptanceEstimate) -> float:
     """Expected tokens one request gets from a round of ``shape`` (accepted drafts + 1)."""
     if shape.depth == 0:
         return 1.0
+    got = acc._expected.get(shape)
+    if got is None:
+        got = acc._expected[shape] = _expected_tokens(shape, acc)
+    return got
+
+
+def _expected_tokens(shape: Shape, acc: AcceptanceEstimate) -> float:
     betas = acc.table(shape.depth, shape.topk)
     if shape.topk == 1:
         total, p = 1.0, 1.0
