@@ -70,17 +70,24 @@ class Recording(RoundShaper):
         return Shape(0)
 
 
-def test_a_prefilling_request_counts_its_catching_up():
+def test_a_prompt_counts_its_catching_up_at_the_step_of_its_last_chunk():
     """A request drafts right after its last prefill chunk, in the shape chosen for that step,
-    so its catching up (its prompt, up to the draft's window) counts in that choice."""
-    cfg = EngineConfig(proposer="draft", draft_model="d", draft_cache="full")
+    so its catching up (its prompt, up to the draft's window) counts in that choice; a prompt
+    with chunks to go after this step is decided at the step of its last, and a later prompt
+    the step's prefill budget does not reach is not counted yet."""
+    cfg = EngineConfig(proposer="draft", draft_model="d", draft_cache="full",
+                       max_prefill_tokens=1024)
     shaper = Recording()
     planner = DraftPlanner(cfg, shaper, max_model_len=8192)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    prefilling = Request("p", list(range(1, 1001)), params)
-    assert prefilling.in_prefill
-    planner.choose_shape([prefilling], two_groups=False)
+    last = Request("p", list(range(1, 1001)), params)  # 1,000 tokens: one chunk
+    later = Request("q", list(range(1, 801)), params)  # the 24 tokens left do not reach it
+    assert last.in_prefill and later.in_prefill
+    planner.choose_shape([last, later], two_groups=False)
     assert shaper.asked == [(0, pytest.approx(1000 / 32))]
+    long = Request("r", list(range(1, 3001)), params)  # three chunks: not this step
+    planner.choose_shape([long], two_groups=False)
+    assert shaper.asked[-1] == (0, 0.0)
 
 
 def test_expected_tokens_follow_every_observation():

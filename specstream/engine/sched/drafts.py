@@ -32,9 +32,12 @@ class DraftPlanner:
         if self.shaper is None:
             return
         decoding = sum(not r.in_prefill for r in running)
-        # every running request's catching up, those still prefilling too: a request drafts
-        # right after its last prefill chunk, in the shape chosen for that step
-        share = sum(self.unseen(r) / max(1, self.room(r)) for r in running)
+        # the decoding requests' catching up, and that of the prompts whose last chunk this
+        # step is likely to take: they draft right after it, in this step's shape (a prompt
+        # with chunks to go is decided at the step of its last)
+        joining = self.last_chunks(running)
+        share = sum(self.unseen(r) / max(1, self.room(r))
+                    for r in running if not r.in_prefill or r.request_id in joining)
         groups = 2 if two_groups else 1
         history = sum(r.num_tokens for r in running if not r.in_prefill)
         self.shape = self.shaper.shape(-(-decoding // groups), catch_up=share / groups,
@@ -42,6 +45,20 @@ class DraftPlanner:
         for req in running:
             if req.needs_draft and self.draft(req, after_verify=False).count(0) == 0:
                 req.needs_draft = False
+
+    def last_chunks(self, running: list[Request]) -> set[str]:
+        """Prompts whose prefill this step's budget finishes: the oldest first, as the
+        scheduler hands out prefill slots (its device room aside)."""
+        budget, done = self.config.max_prefill_tokens, set()
+        for req in running:
+            if budget <= 0:
+                break
+            if req.in_prefill:
+                todo = req.num_tokens - req.num_computed_tokens
+                if todo <= budget:
+                    done.add(req.request_id)
+                budget -= todo
+        return done
 
     def work(self, running: list[Request], requests: dict[str, Request],
              seqs: list[SeqWork], after_all: bool) -> tuple[DraftWork, ...]:
