@@ -9,7 +9,7 @@ import importlib.util
 import json
 import pickle
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -137,10 +137,21 @@ def add_replay(records: list[dict[str, Any]], calibration: str = "pair") -> None
 
 def save_steps(out: dict[str, Any], records: list[dict[str, Any]], path: Path) -> None:
     """The cells' records with their step records and resolved configs, and the run's other
-    fields (``--save-steps``)."""
+    fields (``--save-steps``); paths in the configs relative to the checkout, as in the
+    JSON."""
+    root = str(Path(__file__).resolve().parents[1]) + "/"
+
+    def local(cfg: Any) -> Any:
+        paths = {f.name: getattr(cfg, f.name).removeprefix(root) for f in fields(cfg)
+                 if isinstance(getattr(cfg, f.name), str)
+                 and getattr(cfg, f.name).startswith(root)}
+        return replace(cfg, **paths) if paths else cfg
+
+    kept = [{**r, "_configs": {n: local(c) for n, c in r.get("_configs", {}).items()}}
+            for r in records]
     with gzip.open(path, "wb") as f:
         pickle.dump({"out": {k: v for k, v in out.items() if k != "cells"},
-                     "records": records}, f)
+                     "records": kept}, f)
 
 
 def replay_only(path: Path, results: Path, name: str | None, calibration: str = "pair") -> int:
