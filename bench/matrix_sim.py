@@ -5,7 +5,6 @@ that let ``--replay-only`` refit it without running the cells again."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import pickle
 import sys
@@ -16,19 +15,8 @@ from typing import Any
 REPLAY_SEEDS = 8  # acceptance draws the replay averages over
 
 
-def _beside(name: str) -> Any:
-    """``bench/<name>.py``, imported by its path (bench/ is no package)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-report = _beside("matrix_report")
+# bench/ is no package: bench/matrix.py loads matrix_report by its path, then this module
+report = sys.modules["matrix_report"]
 BASELINE = report.BASELINE
 
 

@@ -30,8 +30,8 @@ is wasted wherever speculation turns out not to pay.
 
 Catching up: before drafting, a draft model feeds the tokens it has not seen (a request that
 never drafted: its sinks and window). The scheduler counts them per request, divided by the
-tokens the request may still generate (requests still prefilling too: they draft right after
-their last chunk, in the shape of that step), and that share of the draft's time per token
+tokens the request may still generate (and a prompt's whose last prefill chunk the step takes:
+it drafts right after it, in the shape of that step), and that share of the draft's time per token
 caught up on (measured on steps that mostly caught up; before that, the target's prefill time
 per token scaled by the draft's share of the parameters) counts in every drafting round, times
 the tokens a request gets from the round: a request that gets E tokens a round has room / E
