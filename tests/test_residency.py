@@ -145,7 +145,9 @@ def test_fill_moves_fewer_history_bytes_than_tail_and_tracks_the_floor(tiny_targ
     assert fill["device_kv_utilization"] > tail["device_kv_utilization"]
     # the floor is the budget's, the same for both policies
     assert fill["link_bytes_floor_per_round"] > 0
-    assert fill["link_bytes_per_round"] < 1.3 * fill["link_bytes_floor_per_round"]
+    # (the target: within 10%; 1.05 here, 1.15 when the floor counted tokens, not
+    # the whole blocks the engine holds)
+    assert fill["link_bytes_per_round"] <= 1.1 * fill["link_bytes_floor_per_round"]
     assert tail["link_bytes_per_round"] > 1.3 * tail["link_bytes_floor_per_round"]
 
 

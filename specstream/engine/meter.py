@@ -26,27 +26,33 @@ class StepMeter:
 
     def residency(self, plan: StepPlan) -> tuple[int, float, int]:
         """The step's history floor (bytes of its requests' history that cannot be resident
-        given the device budget: with K tokens of KV in all running requests and room for C on
-        the device, a 1 - C/K share of every request's history must cross the link, whichever
-        requests keep what; shared blocks counted once in both), the fraction of device KV
+        given the device budget: the device holds C blocks and the running requests' KV takes
+        K after the step, each request's in whole blocks (a part-filled last block takes a
+        block) and with the room its tokens of this step are written to (a prompt's chunk
+        included); the K - C blocks that do not fit are history, a (K - C)/H share of the H
+        blocks of history held, of every request's, whichever requests keep what; shared
+        blocks counted once in all three), the fraction of device KV
         blocks holding history, and the bytes of the distinct blocks the step's history moves
         over the link (a block several of its requests read, counted once: what a round that
         moves each shared block once moves)."""
         kv, bs = self.kv, self.block_size
-        held = 0
-        total = 0
-        for seq in kv.seqs.values():
-            total += seq.num_tokens
+        ends = {s.request_id: s.start_pos + len(s.token_ids) for s in plan.seqs}
+        held = history_held = demand = 0
+        for rid, seq in kv.seqs.items():
+            history_held += -(-seq.num_tokens // bs)
+            demand += -(-max(seq.num_tokens, ends.pop(rid, 0)) // bs)
             held += -(-(seq.num_tokens - seq.first * bs) // bs)
+        demand += sum(-(-end // bs) for end in ends.values())  # a prompt not yet allocated
         held += kv.shared.held if kv.shared is not None else 0  # once for all sharers
         num_blocks = kv.device.num_blocks
-        capacity = num_blocks * bs
         # unique KV: a block several requests share (prefix sharing) is held and moved once
-        total -= kv.duplicate_blocks() * bs
-        history = sum(s.start_pos for s in plan.seqs)
+        dup_all = kv.duplicate_blocks()
+        demand -= dup_all
+        history_held -= dup_all
+        history = sum(-(-s.start_pos // bs) for s in plan.seqs)  # in blocks
         layers = self.num_layers
         if dup := kv.duplicate_blocks([s.request_id for s in plan.seqs if s.request_id in kv.seqs]):
-            history -= bs * dup
+            history -= dup
             links = sum(len({b for s in plan.seqs for b in s.layer_link_blocks(layer)})
                         for layer in range(layers))
         else:  # nothing shared: every block a request reads is its own
@@ -56,8 +62,9 @@ class StepMeter:
         # a shared run's new device copies (kvcache/shared_device.py) cross the link once
         links += layers * sum(k is CopyKind.HOST_TO_DEVICE for k, _, _ in plan.cache_copies)
         unique = links * (self.store.block_bytes // layers)
-        share = max(0.0, 1.0 - capacity / total) if total else 0.0
-        floor = int(history * share) * self.store.block_bytes // bs
+        over = max(0, demand - num_blocks)
+        share = min(1.0, over / history_held) if history_held else 0.0
+        floor = int(history * share) * self.store.block_bytes
         return floor, held / num_blocks if num_blocks else 0.0, unique
 
     def measure(self, plan: StepPlan, result: StepOutput) -> StepMeasures:
