@@ -151,6 +151,21 @@ def test_fill_moves_fewer_history_bytes_than_tail_and_tracks_the_floor(tiny_targ
     assert tail["link_bytes_per_round"] > 1.3 * tail["link_bytes_floor_per_round"]
 
 
+def test_fill_moves_only_what_does_not_fit_once_every_prompt_is_in(tiny_target, reference):
+    """Rounds where every request decodes: the history they move is the floor, no block more
+    (the last prompt's short chunk kept no more room free than it wrote: the round after it
+    moved 5 blocks over the floor and each later one 1 while the scratch was a full chunk's)."""
+    prompts, ref = reference
+    llm = LLM(tiny_target, mode="stream", residency="fill", device_kv_bytes=_budget(800),
+              **OFFLOAD)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    steady = [r for r in llm.engine.rounds if not r.prefill_tokens and r.num_seqs == len(prompts)]
+    llm.close()
+    assert len(steady) > 10 and sum(r.history_floor_bytes for r in steady) > 0
+    assert all(r.history_bytes <= r.history_floor_bytes for r in steady)
+
+
 @pytest.mark.parametrize("mode", ["specstream", "offload-spec"])  # streamed, restored
 def test_residency_shrinks_and_grows_mid_generation_without_changing_output(tiny_target, mode):
     """A long request decodes alone with the device to itself; a second one arrives (its share

@@ -123,9 +123,7 @@ class Scheduler:
         self.max_concurrency = max(self.max_concurrency, len(self.running))
         # prefill scratch only for a prompt admitted and prefilling: one still waiting cannot
         # use it (admission just said so), and the shares make room the step it is admitted
-        prefill = any(r.in_prefill for r in self.running)
-        self._copies += self.residency.rebalance(self.running,
-                                                 self.admission.scratch_blocks if prefill else 0)
+        self._copies += self.residency.rebalance(self.running, self._prefill_scratch())
         draft_s = None  # what drafting after a merged round would take, where sharing asks
         if self.shaper is not None and self.kv.duplicate_blocks():
             decoding = sum(not r.in_prefill for r in self.running)
@@ -154,6 +152,19 @@ class Scheduler:
         finished, self._finished = tuple(self._finished), []
         copies, self._copies = tuple(self._copies), []
         return StepPlan(tuple(seqs), drafts, finished, lent, moving, cache_copies=copies)
+
+    def _prefill_scratch(self) -> int:
+        """Device blocks the step's prefill chunks write beyond their requests' own (the
+        chunks ``_batch`` takes, oldest prompts first), at most the admission's scratch: a last
+        chunk of 56 tokens, or a block-aligned one, leaves no one a block short for room it
+        does not use."""
+        budget, need = self.config.max_prefill_tokens, 0
+        for r in self.running:
+            if r.in_prefill and budget > 0:
+                take = min(r.num_tokens - r.num_computed_tokens, budget)
+                budget -= take
+                need += self.kv.device_blocks_needed(r.request_id, take)
+        return min(need, self.admission.scratch_blocks)
 
     def _batch(self, group: int | None) -> list[SeqWork]:
         """The step's target work: a prefill chunk or a verification per request (of
