@@ -155,15 +155,16 @@ class Scheduler:
 
     def _prefill_scratch(self) -> int:
         """Device blocks the step's prefill chunks write beyond their requests' own (the
-        chunks ``_batch`` takes, oldest prompts first), at most the admission's scratch: a last
-        chunk of 56 tokens, or a block-aligned one, leaves no one a block short for room it
-        does not use."""
+        chunks ``_batch`` takes, oldest prompts first) and a block of margin each, as the
+        admission's scratch has (without it the shares freed a block short and whole chunks
+        were cut to 896 tokens in the matrix's c01), at most the admission's scratch: a last
+        chunk of 56 tokens leaves no one 5 blocks short for room it does not use."""
         budget, need = self.config.max_prefill_tokens, 0
         for r in self.running:
             if r.in_prefill and budget > 0:
                 take = min(r.num_tokens - r.num_computed_tokens, budget)
                 budget -= take
-                need += self.kv.device_blocks_needed(r.request_id, take)
+                need += self.kv.device_blocks_needed(r.request_id, take) + 1
         return min(need, self.admission.scratch_blocks)
 
     def _batch(self, group: int | None) -> list[SeqWork]:
