@@ -153,8 +153,9 @@ def test_fill_moves_fewer_history_bytes_than_tail_and_tracks_the_floor(tiny_targ
 
 def test_fill_moves_only_what_does_not_fit_once_every_prompt_is_in(tiny_target, reference):
     """Rounds where every request decodes: the history they move is the floor, no block more
-    (the last prompt's short chunk kept no more room free than it wrote and a block: the round after it
-    moved 5 blocks over the floor and each later one 1 while the scratch was a full chunk's)."""
+    (the last prompt's short chunk kept no more room free than it wrote and a block: the
+    round after it moved 5 blocks over the floor and each later one 1 while the scratch was a
+    full chunk's)."""
     prompts, ref = reference
     llm = LLM(tiny_target, mode="stream", residency="fill", device_kv_bytes=_budget(800),
               **OFFLOAD)
