@@ -3,10 +3,14 @@ every full block (write-through); only what does not fit streams. Exact in every
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from specstream import LLM, SamplingParams
+from specstream.engine.sched.residency import Residency
+from specstream.engine.sched.restore_room import RestoreRoom
 from specstream.kvcache.manager import KVManager
 from specstream.kvcache.residency import OffloadPolicy, residency_targets
 
@@ -93,6 +97,30 @@ def test_promotion_widens_the_window_or_gives_its_blocks_back():
     kv.plan_promotion("a", 1)
     kv.complete_promotion("a", landed=False)  # a failed step: the blocks go back
     assert kv.device.num_used == used and kv.host_tokens("a") == 32
+
+
+def test_a_request_under_its_share_has_room_for_the_history_it_streams_this_step():
+    """A request that holds less than its share is promoted only as its cold blocks pass, so
+    they all cross the link this step: the step's room holds them, and the prefill chunks,
+    which take what the step's room leaves, cannot take it (they did, in a multi-turn run of
+    parallel-spec: a step with history to restore was lent no room)."""
+    kv = _fill_manager()
+    kv.allocate("a", 100)
+    kv.commit("a", 100)
+    kv.plan_writeback("a")
+    kv.complete_writeback("a")
+    kv.set_target("a", 3)
+    kv.settle("a")  # 4 blocks on the host only, 3 on the device
+    room = RestoreRoom(layers=2, guaranteed=2)
+    residency = Residency(SimpleNamespace(block_size=16), kv, room)
+    a = SimpleNamespace(request_id="a", in_prefill=False, prompt_token_ids=[0] * 90,
+                        draft_token_ids=[])
+    residency.rebalance([a], scratch=0)
+    assert kv.seqs["a"].target == 7  # the whole request fits its share now
+    # 4 cold blocks, two layers of them in 2-layer pool blocks: 4 blocks of room
+    assert residency.step_room == room.whole(4) == 4
+    # and the free blocks beyond the step's room are what a prefill chunk may take
+    assert kv.device.num_free - residency.step_room == 16 - 3 - 4
 
 
 # ---- the engine ---------------------------------------------------------------------------

@@ -53,7 +53,7 @@ class Residency:
         reqs = [r for r in running if r.request_id in kv.seqs]
         tail = -(-kv.policy.resident_tail_tokens // bs) + 1
         runs = kv.shared.runs([r.request_id for r in reqs]) if kv.shared else []
-        floors, caps, growth = [], [], 0
+        floors, caps, now, growth = [], [], [], 0
         for r in reqs:
             seq = kv.seqs[r.request_id]
             blocks = seq.first + len(seq.device_blocks)
@@ -62,26 +62,38 @@ class Residency:
             else:  # the step's new tokens: its last one and the drafts it verifies
                 growth += kv.device_blocks_needed(r.request_id, len(r.draft_token_ids) + 1)
             pinned = len(seq.device_blocks) - seq.droppable
-            cap = blocks - (kv.shared.run_of(r.request_id) if kv.shared and seq.refs else 0)
+            run = kv.shared.run_of(r.request_id) if kv.shared and seq.refs else 0
+            cap = blocks - run
             floors.append(min(cap, max(tail, pinned)))
             caps.append(cap)
+            now.append((seq.first + len(seq.device_blocks) - run, len(seq.device_blocks)))
         floors += [0] * len(runs)
         caps += [len(run) for run in runs]
         pool = kv.device.num_blocks - growth - scratch
         rr = self.room
 
-        def room(targets: list[int]) -> int:  # lent blocks for the history that streams
+        def room(targets: list[int], colds: list[int] | None = None) -> int:
+            """Lent blocks for the history that streams (``colds``: the cold blocks of each,
+            ``caps`` less ``targets`` where not given)."""
             if rr is None:
                 return 0
-            return rr.whole(sum(rr.link_blocks(c - t) for c, t in zip(caps, targets)))
+            if colds is None:
+                colds = [c - t for c, t in zip(caps, targets)]
+            return rr.whole(sum(map(rr.link_blocks, colds)))
 
         # two whole layers of the history beside the floors, or restores in pieces in the
         # guaranteed room, the rest of the pool resident
         whole = rr is None or sum(floors) + room(floors) <= pool
-        cost = room if whole or rr is None else (lambda t: min(room(t), rr.guaranteed))
+        cost = room if whole or rr is None else (
+            lambda t, colds=None: min(room(t, colds), rr.guaranteed))
         targets = residency_targets(floors, caps, pool, cost if rr else None)
-        self.restore_room = None if whole else cost(targets)
-        self.step_room = cost(targets) + growth
+        # this step streams more than the targets leave cold where a request holds less than
+        # its share: it is promoted only as its cold blocks pass, so all of them cross the
+        # link now (the room the prefill chunks leave must hold them)
+        colds = [max(c - t, b - min(h, t)) for c, t, (b, h) in zip(caps, targets, now)]
+        step = cost(targets, colds + [c - t for c, t in zip(caps[len(now):], targets[len(now):])])
+        self.restore_room = None if whole else step
+        self.step_room = step + growth
         for r, t in zip(reqs, targets):
             kv.set_target(r.request_id, t)
         # the step's working room must be free, and the shared runs' new copies need theirs:
