@@ -88,6 +88,16 @@ class PlaneFit:
                             ("s2y", x2 * y)):
             setattr(self, name, d * getattr(self, name) + value)
 
+    def moved(self, x: int) -> bool:
+        """Whether x1 (``x`` = 1) or x2 (2) moved by more than ``min_spread`` of its mean
+        (standard deviation over mean; see ``coef``)."""
+        n = self.n
+        s, ss = (self.s1, self.s11) if x == 1 else (self.s2, self.s22)
+        if n == 0:
+            return False
+        m = s / n
+        return ss - n * m * m > max(1e-9 * ss, n * (self.min_spread * m) ** 2)
+
     def coef(self) -> tuple[float, float, float]:
         """(a, b1, b2)."""
         n = self.n
@@ -101,9 +111,9 @@ class PlaneFit:
         # it at ~1e13 a unit. One that moved by a sliver of its size (a context of 64 tokens,
         # then 65) is no better: a timing jitter over that sliver priced 1K tokens of history
         # at seconds. Below ``min_spread`` of its mean (standard deviation) it has no spread.
-        if c11 <= max(1e-9 * self.s11, n * (self.min_spread * m1) ** 2):
+        if not self.moved(1):
             c11 = c12 = c1y = 0.0
-        if c22 <= max(1e-9 * self.s22, n * (self.min_spread * m2) ** 2):
+        if not self.moved(2):
             c22 = c12 = c2y = 0.0
         if self.prior_b2 is None:
             b1, b2 = self._unregularised(c11, c12, c22, c1y, c2y, m1, m2, my)

@@ -14,7 +14,8 @@ What a shape buys is expected tokens per request per round; what it costs is rou
 - time: ``max(link, verify) + draft`` when drafting is serial (``offload-spec``, ``resident``),
   ``max(link, verify + draft)`` when it runs in the link's gaps (``specstream``; the draft of
   one group fills the other group's transfers), ``max(link, verify, draft)`` on a second
-  device; verify = ``a + b x query positions``, draft = ``levels x (c + d x nodes per level)``.
+  device; verify = ``a + b x query positions``, draft = ``f + levels x (c + d x nodes per
+  level)`` (``f``: once a round, its first forward feeding what the last round accepted).
 
 ``choose`` maximises tokens per second over the candidate shapes; everything it reads is an
 estimate the engine keeps current (``RoundCosts``, ``AcceptanceEstimate``). Pure Python.
@@ -220,6 +221,7 @@ class RoundCosts:
     verify_per_request_s: float = 0.0  # ... and per request verified (its history's reads)
     draft_level_s: float = 0.0  # one draft forward: fixed part
     draft_per_node_s: float = 0.0  # ... and per node drafted in it (all requests)
+    draft_round_s: float = 0.0  # ... and once a round (the first forward feeds the accepted)
     # drafting's one-off cost, spread over the rounds that follow: the draft catching up on
     # tokens it has not seen (a request that never drafted prefills its window), per round
     # and per token a request gets from the round (a shape that yields more tokens a round
@@ -251,7 +253,8 @@ class RoundCosts:
         if not shape.depth:
             return 0.0
         per_level = num_requests * shape.num_nodes / shape.levels
-        return (shape.levels * (self.draft_level_s + self.draft_per_node_s * per_level)
+        return (self.draft_round_s
+                + shape.levels * (self.draft_level_s + self.draft_per_node_s * per_level)
                 + self.draft_setup_s * tokens)
 
     def round_s(self, shape: Shape, num_requests: int, drafting: str,

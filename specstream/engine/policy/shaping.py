@@ -84,7 +84,10 @@ class RoundShaper:
     # the next round's
     history_per_request: float = 1.0
     prefill_token_s: Ewma = field(default_factory=Ewma)  # the target's prefill, per token
-    draft: LineFit = field(default_factory=LineFit)
+    draft: LineFit = field(default_factory=LineFit)  # a draft forward over its nodes
+    # a drafting round over its forwards (x1) and nodes (x2): its fixed part comes apart
+    # where rounds of more than one depth were seen (``draft_coef``)
+    draft_round: PlaneFit = field(default_factory=PlaneFit)
     decisions: int = 0
     chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds it was chosen
     chosen_nodes: dict[int, int] = field(default_factory=dict)  # nodes -> rounds (trees too)
@@ -155,6 +158,7 @@ class RoundShaper:
             per = draft_s / len(draft_steps)
             for n in draft_steps:
                 self.draft.add(n, per)
+            self.draft_round.add(len(draft_steps), sum(draft_steps), draft_s)
         for num_drafts, accepted in verified:
             if num_drafts:
                 self.acceptance.observe_chain(num_drafts, accepted)
@@ -190,8 +194,8 @@ class RoundShaper:
         unseen = sum(w.unseen for w in plan.drafts if w.request_id in drafted)
         steps: list[float] = []
         if unseen > 4 * nodes:
-            da, db = self.draft.coef()
-            forwards = levels * da + db * nodes if self.draft.n else 0.0
+            df, da, db = self.draft_coef()
+            forwards = df + levels * da + db * nodes if self.draft.n else 0.0
             per = max(0.0, draft_s - forwards) / unseen
             self.catch_up_token_s = (0.7 * self.catch_up_token_s + 0.3 * per
                                      if self.catch_up_measured else per)
@@ -229,7 +233,7 @@ class RoundShaper:
 
     def costs(self, catch_up: float = 0.0) -> RoundCosts:
         va, vr, vb = self.verify.coef()
-        da, db = self.draft.coef()
+        df, da, db = self.draft_coef()
         host = {}
         if self.host is not None:
             cold, link_bps, c = self.host
@@ -239,8 +243,16 @@ class RoundShaper:
         return RoundCosts(link_s=self.link_s, verify_base_s=va,
                           verify_per_request_s=vr * self.history_per_request,
                           verify_per_position_s=vb,
-                          draft_level_s=da, draft_per_node_s=db,
+                          draft_level_s=da, draft_per_node_s=db, draft_round_s=df,
                           draft_setup_s=self._catch_up_s(catch_up), **host)
+
+    def draft_coef(self) -> tuple[float, float, float]:
+        """A drafting round's seconds: once, per forward, per node. Rounds of one depth do not
+        tell the first two apart, and there every second is a forward's (never a deeper
+        chain priced under what its forwards measured)."""
+        if self.draft_round.moved(1):
+            return self.draft_round.coef()
+        return (0.0, *self.draft.coef())
 
     def draft_s(self, shape: Shape, num_requests: int) -> float | None:
         """The draft forwards of ``shape`` for ``num_requests`` requests, as measured (None:
