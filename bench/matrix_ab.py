@@ -25,6 +25,9 @@ from typing import Any
 CHILD = r"""
 import hashlib, importlib.util, json, sys
 root, cell_name, config, out_len = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+import os, specstream
+if not os.path.realpath(specstream.__file__).startswith(os.path.realpath(root) + os.sep):
+    sys.exit(f"specstream imported from {specstream.__file__}, not from {root}")
 spec = importlib.util.spec_from_file_location("matrix", f"{root}/bench/matrix.py")
 m = importlib.util.module_from_spec(spec); sys.modules["matrix"] = m; spec.loader.exec_module(m)
 from specstream.bench.runner import BenchSettings, workload_kv_bytes
@@ -47,8 +50,10 @@ print("RESULT " + json.dumps(out))
 
 def run(checkout: Path, cell: str, config: str, out_len: int) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
+    # in the checkout's own folder: ``python -c`` puts the working folder ahead of PYTHONPATH,
+    # so run from another checkout it would import that checkout's package (the child checks)
     p = subprocess.run([sys.executable, "-c", CHILD, str(checkout), cell, config, str(out_len)],
-                       env=env, capture_output=True, text=True, check=False)
+                       env=env, cwd=checkout, capture_output=True, text=True, check=False)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             return dict(json.loads(line[7:]))
