@@ -51,13 +51,16 @@ def _run(setting: dict[str, Any], prompts: list[list[int]], tp: int
     if "device_kv_bytes" in setting:
         setting["device_kv_bytes"] //= tp
     llm = LLM(TARGET, draft_model=draft, tensor_parallel_size=tp, **setting)
+    ranks = llm.engine.ranks.procs if tp > 1 else []
     try:
         outs = llm.generate(prompts, PARAMS, use_tqdm=False)
         metrics = llm.get_metrics()
         metrics["round_history_bytes"] = [r.history_bytes for r in llm.engine.rounds]
-        return [o.outputs[0].token_ids for o in outs], metrics
     finally:
         llm.close()
+    # a clean close stops every rank with exit code 0 (not an abort in its teardown)
+    assert [p.exitcode for p in ranks] == [0] * len(ranks)
+    return [o.outputs[0].token_ids for o in outs], metrics
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,15 @@ def _rank(rank: int, folder: str, ids: list[int], port: int, out: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # the work is saved; leave without the interpreter's teardown, where a thread torch left
+    # joinable aborted the process now and then (after the group was destroyed cleanly)
+    _exit_now()
+
+
+def _exit_now() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _sharded(folder: Path, ids: list[int], tmp_path: Path) -> list[dict[str, Any]]:

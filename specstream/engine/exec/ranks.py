@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -167,6 +168,11 @@ def rank_main(rank: int, model: str, config: EngineConfig, address: str, inbox: 
     finally:
         engine.close()
         dist.destroy_process_group()
+    # a clean stop leaves without the interpreter's teardown: there a thread torch left joinable
+    # aborted the process now and then ("terminate called without an active exception")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def rank_timeout_s() -> float:
