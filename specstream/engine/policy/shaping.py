@@ -18,13 +18,13 @@ carry a prefill chunk teach acceptance, the link time and the draft's cost, not 
 verification fit. History read and query positions are priced apart (a request's history is
 read once however many positions attend it; its price is per token of history, so a round at a
 short context does not pass for a cheap request): where the rounds seen so far do not tell them
-apart (rounds that differed in request count, not in depth), a query position is priced as a prefill
-token of the target (``prior_position``, measured on prefill steps; no exploration needed), and
-before any prefill was measured every query position is taken to cost alike (cautious where
-compute decides, moot where the link does). While the
-choice is 0 nothing is drafted and nothing new is learnt about acceptance, so every
-``explore_every``-th decision drafts one token for one request (the cheapest probe; it also
-gives the verification line a second size). Probes and explorations draft for one request of
+apart (rounds that differed in request count, not in depth), a query position is priced as a
+prefill token of the target (``prior_position``, measured on prefill steps; no exploration
+needed), and before any prefill was measured every query position is taken to cost alike
+(cautious where compute decides, moot where the link does). While the choice is 0 nothing is
+drafted and nothing new is learnt about acceptance, so every ``explore_every``-th decision
+drafts one token for one request (the cheapest probe; it also gives the verification line a
+second size). Probes and explorations draft for one request of
 the step only (``probing``): a request's first drafts make the draft prefill its window, which
 is wasted wherever speculation turns out not to pay.
 
@@ -58,15 +58,12 @@ from specstream.engine.policy.round_shape import (
 from specstream.options import SpeculativePolicy
 from specstream.spec.token_tree import DraftTree
 
-# x1 of the verification fit: a round's history read, in these many tokens (a request's
-# reads, not its count: a request's verification cost grows with its context, and a fit over
-# request counts reads a short-context round's low cost as a cheap request and prices
-# every query position at nothing)
+# x1 of the verification fit: a round's history read, in these many tokens (not its request
+# count: a fit over request counts reads a short-context round's low cost as a cheap request)
 HISTORY_UNIT = 1024
-# The reference implementation's choices of q, 3 between them (a round's cost is not a line
-# in its depth: on the embedded pair a chain of 3 verifies faster than one of 2, and where the
-# fitted line wavers between 2 and 4 the depth between is the better bet; `bench/policy_replay.py`),
-# and twice the largest for link-bound rounds.
+# The reference implementation's choices of q, 3 between them (on the embedded pair a chain
+# of 3 verifies nearly as fast as one of 2: `bench/policy_replay.py`), and twice the largest
+# for link-bound rounds.
 DEPTHS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 
 
@@ -98,6 +95,7 @@ class RoundShaper:
     seen_drafts: bool = False  # a verification round with drafts was measured
     link_seen: bool = False  # link_s holds a measurement
     exploring: bool = False  # ... one made while the choice is no speculation
+    explored_at: int = 0  # the decision of the last exploration that ran
     explore_share: float = 0.05  # of the time between explorations, the most one may cost
     # The draft's time per token it catches up on (tokens it has not seen, fed before its
     # drafts): measured on steps whose drafting was mostly catching up; before one is seen,
@@ -170,13 +168,17 @@ class RoundShaper:
 
     def worth_exploring(self, catch_up_tokens: int, num_requests: int) -> bool:
         """Whether an exploration that makes the draft feed ``catch_up_tokens`` first costs
-        at most ``explore_share`` of the rounds since the last one (the first probes always
-        run: nothing is known yet)."""
+        at most ``explore_share`` of the rounds since the last that ran, ``explore_every`` at
+        least (a fixed allowance skipped them all once the choice sat at 0 long enough: the
+        catching up grows with it). The first probes always run."""
         if not self.exploring:
             return True
-        rounds = self.explore_every * self.costs().round_s(Shape(0), max(1, num_requests),
-                                                          self.drafting)
-        return self._catch_up_s(catch_up_tokens) <= self.explore_share * rounds
+        since = max(self.explore_every, self.decisions - self.explored_at)
+        rounds = since * self.costs().round_s(Shape(0), max(1, num_requests), self.drafting)
+        if self._catch_up_s(catch_up_tokens) > self.explore_share * rounds:
+            return False
+        self.explored_at = self.decisions
+        return True
 
     def _catch_up_s(self, tokens: float) -> float:
         return self.catch_up_token_s * tokens
