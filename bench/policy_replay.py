@@ -122,13 +122,14 @@ class Estimate(Fixed):
 
     def __init__(self, cost: dict[int, float]) -> None:
         super().__init__(0)
-        self.cost = cost
-        self.acc = RoundShaper(max_depth=max(cost), drafting="gaps").acceptance
+        self.cost, self.decisions = cost, 0
+        engine = RoundShaper(max_depth=max(cost), drafting="gaps")
+        self.acc, self.explore_every = engine.acceptance, engine.explore_every
 
     def pick(self, context: int) -> int:
-        self.decisions = getattr(self, "decisions", 0) + 1
+        self.decisions += 1
         q = max(self.cost, key=lambda q: expected_tokens(Shape(q), self.acc) / self.cost[q])
-        return 1 if q == 0 and self.decisions % 32 == 0 else q  # the engine's exploration
+        return 1 if q == 0 and self.decisions % self.explore_every == 0 else q  # exploring
 
     def seen(self, q: int, accepted: int, verify_s: float, draft_s: float,
              context: int) -> None:

@@ -260,12 +260,12 @@ def test_a_step_that_mostly_catches_up_measures_the_catch_up_not_the_forwards():
     # an exploration that would make the draft catch up on a whole window is skipped
     shaper.exploring = True
     shaper.verify.add(1, 4, 0.01)
-    assert not shaper.worth_exploring(1000, 4) and shaper.worth_exploring(10, 4)
+    assert not shaper.explore_now(1000, 4) and shaper.explore_now(10, 4)
     # ... until the rounds since the last exploration that ran pay for it (a choice of no
     # speculation whose catching up grows round by round is not kept from exploring for ever)
     shaper.decisions += 7 * shaper.explore_every
-    assert shaper.worth_exploring(1000, 4)
-    assert not shaper.worth_exploring(1000, 4)  # it ran: the allowance starts again
+    assert shaper.explore_now(1000, 4)
+    assert not shaper.explore_now(1000, 4)  # it ran: the allowance starts again
 
 
 def test_seeded_sampling_keeps_its_chain_whatever_the_policy_picks(tiny_target, tiny_draft):

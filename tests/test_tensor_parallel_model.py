@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import llama_to_internlm2, make_hf_checkpoint, our_logits, random_ids
 
+from specstream.engine.exec.ranks import leave_cleanly
 from specstream.models.config import ModelConfig
 from specstream.models.loader import load_model
 from specstream.models.tensor_parallel import Shard, check_shardable, rank_config
@@ -45,15 +45,7 @@ def _rank(rank: int, folder: str, ids: list[int], port: int, out: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    # the work is saved; leave without the interpreter's teardown, where a thread torch left
-    # joinable aborted the process now and then (after the group was destroyed cleanly)
-    _exit_now()
-
-
-def _exit_now() -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_cleanly()  # as the engine's ranks do
 
 
 def _sharded(folder: Path, ids: list[int], tmp_path: Path) -> list[dict[str, Any]]:

@@ -26,7 +26,7 @@ import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch.distributed as dist
 
@@ -168,8 +168,13 @@ def rank_main(rank: int, model: str, config: EngineConfig, address: str, inbox: 
     finally:
         engine.close()
         dist.destroy_process_group()
-    # a clean stop leaves without the interpreter's teardown: there a thread torch left joinable
-    # aborted the process now and then ("terminate called without an active exception")
+    leave_cleanly()
+
+
+def leave_cleanly() -> NoReturn:
+    """End a rank's process after a clean stop, without the interpreter's teardown: there a
+    thread torch left joinable aborted the process now and then ("terminate called without an
+    active exception"), after its group was destroyed and its work done."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

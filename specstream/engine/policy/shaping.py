@@ -24,9 +24,9 @@ needed), and before any prefill was measured every query position is taken to co
 (cautious where compute decides, moot where the link does). While the choice is 0 nothing is
 drafted and nothing new is learnt about acceptance, so every ``explore_every``-th decision
 drafts one token for one request (the cheapest probe; it also gives the verification line a
-second size). Probes and explorations draft for one request of
-the step only (``probing``): a request's first drafts make the draft prefill its window, which
-is wasted wherever speculation turns out not to pay.
+second size). Probes and explorations draft for one request of the step only (``probing``): a
+request's first drafts make the draft prefill its window, which is wasted wherever
+speculation turns out not to pay.
 
 Catching up: before drafting, a draft model feeds the tokens it has not seen (a request that
 never drafted: its sinks and window). The scheduler counts them per request, divided by the
@@ -166,11 +166,12 @@ class RoundShaper:
         for walk in tree_walks:
             self.acceptance.observe_walk(walk)
 
-    def worth_exploring(self, catch_up_tokens: int, num_requests: int) -> bool:
-        """Whether an exploration that makes the draft feed ``catch_up_tokens`` first costs
-        at most ``explore_share`` of the rounds since the last that ran, ``explore_every`` at
-        least (a fixed allowance skipped them all once the choice sat at 0 long enough: the
-        catching up grows with it). The first probes always run."""
+    def explore_now(self, catch_up_tokens: int, num_requests: int) -> bool:
+        """Whether the exploration due runs (and then it counts as run): where making the
+        draft feed ``catch_up_tokens`` first costs at most ``explore_share`` of the rounds
+        since the last that ran, ``explore_every`` at least (a fixed allowance skipped them
+        all once the choice sat at 0 long enough: the catching up grows with it). The first
+        probes always run."""
         if not self.exploring:
             return True
         since = max(self.explore_every, self.decisions - self.explored_at)

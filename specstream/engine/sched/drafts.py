@@ -84,7 +84,7 @@ class DraftPlanner:
             # first drafts would make the draft prefill their windows before the policy knows
             # whether drafting pays), and an exploration not at all where that costs too much
             shaped.sort(key=lambda w: w.unseen)
-            keep = 1 if self.shaper.worth_exploring(shaped[0].unseen, len(shaped)) else 0
+            keep = 1 if self.shaper.explore_now(shaped[0].unseen, len(shaped)) else 0
             dropped = {w.request_id for w in shaped[keep:]}
             for rid in dropped:
                 requests[rid].needs_draft = False
