@@ -323,3 +323,25 @@ def test_a_drafting_round_s_fixed_part_is_priced_apart_from_its_forwards():
     feed(one, (2,))
     assert one.costs().draft_s(Shape(8), 1) == pytest.approx(8 * (fixed + 2 * level) / 2,
                                                             rel=0.03)
+
+
+def test_a_draft_that_never_matches_is_read_as_missing_within_a_few_rounds():
+    """Prompts of random ids, one request a round (the matrix's c03): the draft's first token
+    misses every round, one observation a round. A round of 1 query position takes 10 ms,
+    each more 0.5 ms, a draft forward 1 ms. A prior worth twenty observations took ~40
+    rounds of misses to halve, and the shaper kept drafting trees of 2 and 4 nodes for a
+    dozen rounds; worth four, it stops within eight."""
+    shaper = RoundShaper(max_depth=8, drafting="sequential", max_topk=4, max_nodes=32)
+    shaper.prior_position(0.0005)
+    picks = []
+    for _ in range(16):
+        pick = shaper.shape(1)
+        picks.append(pick.depth)
+        drafted = pick.num_nodes
+        walks = [[(pick.topk, None)]] if pick.topk > 1 else []
+        chains = [(pick.depth, 0)] if pick.topk == 1 else []
+        shaper.observe(0.0, 0.010 + 0.0005 * drafted, 1 + drafted,
+                       [drafted / max(1, pick.depth)] * pick.depth, 0.001 * pick.depth,
+                       chains, walks)
+    assert picks[0] > 0  # the first round probes
+    assert picks[8:] == [0] * 8, picks

@@ -61,12 +61,17 @@ class PlaneFit:
 
     Where the points do not tell x1 and x2 apart (they moved together, or one is constant),
     ``prior_b2`` decides: b2 is drawn toward it with a weight of ``ridge`` times x2's own
-    spread, which is nothing next to genuine spread in x2 at fixed x1 and all there is where
-    x2 moved only with x1. Without a prior, points where x1 and x2 moved together are read as
-    all x2 (the cautious reading: every unit of x2 costs alike)."""
+    spread plus ``prior_points`` points one unit of x2 from the rest (a timing noise some
+    times a unit's price needs that many to be read through). Both are nothing next
+    to genuine spread in x2 at fixed x1, and all there is where x2 moved only with x1 or
+    where its spread is a few faded points (one round of 2 query positions among rounds of
+    1: its timing noise alone read a position as free, and a 32-node tree as free with it).
+    Without a prior, points where x1 and x2 moved together are read as all x2 (the cautious
+    reading: every unit of x2 costs alike)."""
 
     decay: float = 0.95
     ridge: float = 0.001
+    prior_points: float = 8.0
     prior_b2: float | None = None
     min_spread: float = 0.05  # an x whose deviation is under this share of its mean is constant
     # x2 whose variance left at fixed x1 is under this share of its own moved with x1
@@ -118,7 +123,7 @@ class PlaneFit:
         if self.prior_b2 is None:
             b1, b2 = self._unregularised(c11, c12, c22, c1y, c2y, m1, m2, my)
         else:
-            lam = self.ridge * c22 + 1e-12 * (1 + self.s22)
+            lam = self.ridge * c22 + self.prior_points + 1e-12 * (1 + self.s22)
             b1, b2 = _solve2(c11, c12, c22 + lam, c1y, c2y + lam * self.prior_b2)
             if b1 < 0:  # all of it is x2's (toward the prior as above)
                 b1, b2 = 0.0, (c2y + lam * self.prior_b2) / (c22 + lam)

@@ -74,6 +74,10 @@ class RoundShaper:
     max_topk: int = 1  # speculative_topk: trees of this branching allowed when > 1
     max_nodes: int = 0  # speculative_num_draft_tokens: a tree's node budget at most
     prior_acceptance: float = 0.6  # per-token acceptance before any round is seen
+    # ... worth this many observations: few, so that a draft that misses (prompts of random
+    # ids, one request a round: one observation a round) is read as missing within a few
+    # rounds, not after the forty that a prior worth twenty took to halve
+    prior_weight: float = 4.0
     explore_every: int = 32
     acceptance: AcceptanceEstimate = field(init=False)
     link_s: float = 0.0
@@ -120,7 +124,7 @@ class RoundShaper:
         # others a quarter of the one before
         a = self.prior_acceptance
         self.acceptance = AcceptanceEstimate(prior=(a, a / 4, a / 16, a / 64),
-                                             prior_weight=20.0, decay=0.995)
+                                             prior_weight=self.prior_weight, decay=0.995)
         depths = sorted({d for d in DEPTHS if d <= self.max_depth} | {self.max_depth})
         self.candidates = [Shape(d) for d in depths]
         # trees: binary ones and the widest allowed, each with 2, 4, 8 ... times its depth in
