@@ -89,8 +89,29 @@ def test_report_ratios_from_a_hand_built_record() -> None:
     assert a["fill_bytes_over_floor"] == pytest.approx(1.05)  # the q = 4 fill run's
     assert a["default_bytes_over_floor"] == pytest.approx(1.5)
     assert a["failed"] == ["q4-tail"] and a["outputs_differ"] == ["tree"]
-    assert a["meets"] == {"default_vs_best_fixed": False, "fill_vs_floor": True,
+    assert a["meets"] == {"default_vs_best_fixed": False,
+                          "default_vs_best_fixed_confirmed": None, "fill_vs_floor": True,
                           "sim_throughput": False, "sim_tpot": True, "outputs_match": False}
+
+
+def test_the_confirmed_ratio_is_the_fresh_runs_medians() -> None:
+    """The best fixed point is picked on its own (selected-for) run; the confirmed ratio is
+    the default's fresh runs over that point's fresh runs, and their outputs count too."""
+    rec = _record()
+    rec["confirm"] = {"best_fixed": "q4", "runs": {"default": [19.0, 20.0, 21.5],
+                                                    "q4": [19.5, 20.5, 40.0]},
+                      "outputs_match_reference": False}
+    a = report.analyse(rec)
+    assert a["default_over_best_fixed"] == pytest.approx(0.95)
+    assert a["default_over_best_fixed_confirmed"] == pytest.approx(20.0 / 20.5)
+    assert a["meets"]["default_vs_best_fixed_confirmed"] is True
+    assert "confirm" in a["outputs_differ"] and a["meets"]["outputs_match"] is False
+    rec["analysis"] = a
+    s = report.summary([rec])
+    assert s["default_vs_best_fixed_confirmed"] == {"met": 1, "of": 1}
+    out = {"quick": True, "grid": ["q2", "q4", "tree", "q4-tail"], "cells": [rec],
+           "summary": s, "wall_s": 60.0, "estimated_full_run_s": {"32": 600.0}}
+    assert "0.976 (q4; 19.0, 20.0, 21.5 / 19.5, 20.5, 40.0)" in report.markdown(out)
 
 
 def test_report_on_a_zero_floor_and_without_a_replay() -> None:
@@ -156,3 +177,24 @@ def test_saved_steps_replay_to_the_same_figures(tmp_path: Path) -> None:
     again = json.loads((tmp_path / "m-replay.json").read_text())
     assert again["cells"][0]["runs"] == rec["runs"]
     assert again["cells"][0]["analysis"]["default_over_best_fixed"] == pytest.approx(0.98)
+
+
+def test_confirm_best_runs_the_default_and_the_fastest_fixed_point_alternately() -> None:
+    runs = {"resident": {"output_tokens_per_s": 99.0}, "default": {"output_tokens_per_s": 9.0},
+            "q2": {"output_tokens_per_s": 10.0}, "q4": {"output_tokens_per_s": 12.0},
+            "tree": {"error": "ValueError: refused"},
+            matrix.BASELINE: {"output_tokens_per_s": 50.0}}
+    todo = [(n, {"name": n}) for n in ("default", "q2", "q4", "tree", matrix.BASELINE)]
+    order = []
+
+    def run(kw):
+        order.append(kw["name"])
+        return {"output_tokens_per_s": float(len(order))}, [[1]], None
+
+    got = matrix.confirm_best(runs, todo, 2, run, [[1]], lambda msg: None)
+    assert got["best_fixed"] == "q4"  # not the baseline, the reference or a refused point
+    assert order == ["default", "q4", "default", "q4"]
+    assert got["runs"] == {"default": [1.0, 3.0], "q4": [2.0, 4.0]}
+    assert got["outputs_match_reference"] is True
+    refused = {**runs, "default": {"error": "ValueError: refused"}}
+    assert matrix.confirm_best(refused, todo, 2, run, [[1]], lambda msg: None) == {}
