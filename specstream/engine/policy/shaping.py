@@ -75,9 +75,11 @@ class RoundShaper:
     max_nodes: int = 0  # speculative_num_draft_tokens: a tree's node budget at most
     prior_acceptance: float = 0.6  # per-token acceptance before any round is seen
     # ... worth this many observations: few, so that a draft that misses (prompts of random
-    # ids, one request a round: one observation a round) is read as missing within a few
-    # rounds, not after the forty that a prior worth twenty took to halve
-    prior_weight: float = 4.0
+    # ids, one request a round: one observation a round) is read as missing within ten
+    # rounds, not after the forty that a prior worth twenty took to halve; not fewer, so
+    # that one unlucky round does not talk a tree out of a depth that pays (at four, the
+    # link-bound preset took one depth-6 round less and two rounds more)
+    prior_weight: float = 8.0
     explore_every: int = 32
     acceptance: AcceptanceEstimate = field(init=False)
     link_s: float = 0.0
