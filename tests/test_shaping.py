@@ -345,3 +345,26 @@ def test_a_draft_that_never_matches_is_read_as_missing_within_a_few_rounds():
                        chains, walks)
     assert picks[0] > 0  # the first round probes
     assert picks[10:] == [0] * 6, picks
+
+
+def test_the_catch_up_rate_weighs_a_whole_prompt_above_a_few_tokens():
+    """The draft's time per token caught up on, from steps whose drafting was mostly
+    catching up: a step that fed 64 tokens with two forwards the draft line could not take
+    off yet (c01: 5.8 ms, read as 0.091 ms a token), then one that fed a 1,024-token prompt
+    in 63 ms (0.062). The rate is what the tokens took, the big feed weighing sixteen times
+    the small one: not their two per-token readings averaged (0.082)."""
+    from specstream.engine.contract import DraftWork, StepOutput, StepPlan
+
+    shaper = RoundShaper(max_depth=4, drafting="sequential")
+    out = StepOutput()
+    out.drafts["r"] = [5, 6]
+    small = DraftWork("r", (1,) * 64, 2, room=32, params=GREEDY, after_verify=False,
+                      unseen=64)
+    shaper.observe_step(StepPlan((), (small,)), out, 0.0, 0.0, 0.0058, prefill=True)
+    assert shaper.catch_up_token_s == pytest.approx(0.0058 / 64)
+    out.drafts["r"] = [5, 6, 7, 8]
+    whole = DraftWork("r", (1,) * 1024, 4, room=32, params=GREEDY, after_verify=False,
+                      unseen=1024)
+    shaper.observe_step(StepPlan((), (whole,)), out, 0.0, 0.0, 0.0631, prefill=True)
+    assert shaper.catch_up_token_s == pytest.approx((0.7 * 0.0058 + 0.0631) / (0.7 * 64 + 1024))
+    assert shaper.catch_up_token_s < 0.064 / 1000
