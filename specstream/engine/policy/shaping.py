@@ -109,8 +109,8 @@ class RoundShaper:
     # draft's share of the parameters).
     catch_up_token_s: float = 0.0
     catch_up_measured: bool = False
-    catch_up_fed_s: float = 0.0  # the measured steps' catching up: seconds (decayed sums)
-    catch_up_fed: float = 0.0  # ... and tokens
+    catch_up_fed_s: float = 0.0  # measured catching up: seconds, tokens (decayed sums)
+    catch_up_fed: float = 0.0
     # host_attention auto (observe_host): a verified request's cold bytes per round, the
     # link's rate and the host's costs; None while the host has no share
     host: tuple[float, float, HostCosts] | None = None
@@ -210,11 +210,8 @@ class RoundShaper:
         if unseen > 4 * nodes:
             df, da, db = self.draft_coef()
             forwards = df + levels * da + db * nodes if self.draft.n else 0.0
-            # token-weighted (decayed sums): a step that fed a whole prompt measures the rate
-            # better than one that fed a few tokens, whose forwards the draft line, before it
-            # is measured, cannot take off (c01: 64 tokens in 5.8 ms, two forwards of them,
-            # read 0.091 ms a token; a 1,024-token prompt then took 63 ms, 0.062; weighted
-            # alike the two read 0.082, and six more prompts' catching up looked dearer)
+            # by tokens: a few tokens' feed keeps forwards an unmeasured draft line cannot
+            # take off (c01: 64 read 0.091 ms a token, a 1,024-token prompt 0.062)
             self.catch_up_fed_s = 0.7 * self.catch_up_fed_s + max(0.0, draft_s - forwards)
             self.catch_up_fed = 0.7 * self.catch_up_fed + unseen
             self.catch_up_token_s = self.catch_up_fed_s / self.catch_up_fed
