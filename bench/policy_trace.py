@@ -6,7 +6,8 @@ Wraps ``RoundShaper.shape`` for the run and prints, per decision: the requests a
 verifies, the catch-up share it was handed (unseen tokens over tokens left, summed over the
 requests, per group), their history tokens, the shape picked (depth, top-k, nodes), the
 verification fit (fixed ms, ms per query position, ms per request), the catch-up charge per
-token a request gets (ms), a draft level's fixed ms, the link ms and whether it probed. The
+token a request gets (ms), a draft level's fixed ms, the link ms, whether it probed, the
+first candidate's acceptance (pooled over depths) and the draft's catch-up time a token (ms). The
 first line is the run's tok/s and mean accepted tokens a round."""
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                       (pick.depth, pick.topk, pick.num_nodes), round(c.verify_base_s * 1e3, 1),
                       round(c.verify_per_position_s * 1e3, 3),
                       round(c.verify_per_request_s * 1e3, 2), round(c.draft_setup_s * 1e3, 2),
-                      round(c.draft_level_s * 1e3, 2), round(c.link_s * 1e3, 1), self.probing))
+                      round(c.draft_level_s * 1e3, 2), round(c.link_s * 1e3, 1), self.probing,
+                      round(self.acceptance.pooled(0), 3), round(self.catch_up_token_s * 1e3, 4)))
         return pick
 
     shaping.RoundShaper.shape = shape  # type: ignore[method-assign]
@@ -66,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cell.name}: {res['output_tokens_per_s']:.2f} tok/s, "
           f"accepted {res['mean_accepted_len']:.2f} a round")
     print("# (requests, catch-up share, history tokens, (depth, topk, nodes), verify ms fixed, "
-          "ms/position, ms/request, catch-up ms per token, draft level ms, link ms, probing)")
+          "ms/position, ms/request, catch-up ms per token, draft level ms, link ms, probing, "
+          "acceptance a token, catch-up ms a token)")
     for i, line in enumerate(lines[: args.decisions]):
         print(i, line)
     return 0

@@ -49,6 +49,44 @@ def test_a_round_that_also_prefilled_leaves_the_verdict_alone() -> None:
     assert not fb.estimates().host_pays
 
 
+def _group(*rids: str) -> StepPlan:
+    return StepPlan(seqs=tuple(SeqWork(r, (5,), start_pos=4000, num_drafts=0, prefill=False,
+                                       sample=True, host_tokens=3968, device_blocks=(),
+                                       restore_chunks=()) for r in rids))
+
+
+def test_each_group_keeps_its_own_verdict_on_the_host() -> None:
+    """Two groups alternate; the one of four requests is link-bound, the one of three is not.
+    One verdict for both handed each group the other's: the host attended every other round
+    and the link-bound group waited on the link in each of its own (the matrix's c01)."""
+    from specstream.engine.sched.host_split import MeasuredSplit
+
+    fb = _feedback()
+    m = dict(wait_s=0.0, draft_s=0.0, prefill_tokens=0, decode=True, host_attends=True,
+             host_serial_s=0.002)
+    four, three = _group("a", "b", "c", "d"), _group("e", "f", "g")
+    for _ in range(3):  # 40 ms of cold history against 33 ms of compute; 31 against 39
+        fb.observe(four, StepOutput(), StepMeasures(
+            wall_s=0.033, link_busy_s=0.02, link_bytes=20_000_000, history_bytes=20_000_000,
+            host_bytes=20_000_000, **m))
+        fb.observe(three, StepOutput(), StepMeasures(
+            wall_s=0.039, link_busy_s=0.031, link_bytes=31_000_000,
+            history_bytes=31_000_000, host_bytes=0, **m))
+    est = fb.estimates()
+    assert not est.host_pays  # the last round's verdict ...
+    assert est.host_pays_for("abcd") and not est.host_pays_for("efg")  # ... is the three's
+    split = MeasuredSplit(EngineConfig(mode="specstream", proposer="ngram",
+                                       host_attention="auto"), block_bytes=1 << 20)
+    assert sum(split.counts(four.seqs, [30] * 4, est)) > 0
+    assert split.counts(three.seqs, [30] * 3, est) == [0.0] * 3
+    assert not est.host_pays_for(["new"])  # one no decode round verified: the last verdict
+    # a finished request's verdict is forgotten (the last round's stands in for it)
+    fb.observe(StepPlan(seqs=(), finished=("a", "b", "c", "d")), StepOutput(),
+               StepMeasures(wall_s=0.0, wait_s=0.0, draft_s=0.0, link_busy_s=0.0,
+                            link_bytes=0, history_bytes=0, prefill_tokens=0, decode=False))
+    assert not fb.estimates().host_pays_for("abcd")
+
+
 def test_host_jobs_fit_the_hosts_cost_line() -> None:
     """Seconds per byte against query positions, from every job of every step."""
     fb = _feedback()

@@ -11,7 +11,8 @@ Pure Python: numbers in, numbers out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from specstream.config import EngineConfig
 from specstream.engine.contract import StepMeasures, StepOutput, StepPlan
@@ -39,6 +40,17 @@ class Estimates:
     # batched). A moving average of the two, with hysteresis (``MERGE_BELOW``,
     # ``SPLIT_ABOVE``); True until measured.
     link_bound: bool = True
+    # ``host_pays`` per request: the verdict of the last decode round that verified it. Two
+    # groups alternate, and one can be link-bound while the other is not: one verdict for
+    # both handed each group the other's (c01: the host attended every other round, and the
+    # group of four waited 13-16 ms on the link in each of its rounds).
+    host_pays_of: Mapping[str, bool] = field(default_factory=dict)
+
+    def host_pays_for(self, request_ids: Iterable[str]) -> bool:
+        """Whether the host gets a share of a step verifying ``request_ids``: where any of
+        them was last verified in a link-bound round (``host_pays`` where none was yet)."""
+        verdicts = [self.host_pays_of[r] for r in request_ids if r in self.host_pays_of]
+        return any(verdicts) if verdicts else self.host_pays
 
 
 # decode rounds' link time over their verification time (a moving average): the groups merge
@@ -72,6 +84,7 @@ class RoundFeedback:
         self.host_cost = LineFit(decay=0.98)  # seconds per byte against query positions
         self.host_serial = Ewma()
         self.host_pays = True
+        self.host_pays_of: dict[str, bool] = {}
         self.link_over_verify = Ewma()
         self.link_bound = True
 
@@ -86,10 +99,12 @@ class RoundFeedback:
             a, b = self.host_cost.coef()
             host = HostCosts(a, b, self.host_serial.value)
         return Estimates(self.link_bps, self.prefill_chunk.value, host, self.host_pays,
-                         self.link_bound)
+                         self.link_bound, dict(self.host_pays_of))
 
     def observe(self, plan: StepPlan, out: StepOutput, m: StepMeasures) -> None:
         """One step, as it ran."""
+        for rid in plan.finished:
+            self.host_pays_of.pop(rid, None)
         if m.link_bytes >= 1 << 20 and m.link_busy_s > 0:  # a few tiny copies say little
             self.link.add(m.link_bytes / m.link_busy_s)
         for positions, seconds, nbytes in m.host_jobs:
@@ -150,6 +165,8 @@ class RoundFeedback:
         if not (m.decode and not m.prefill_tokens and cold and m.host_attends):
             return
         self.host_pays = cold / self.link_bps > m.compute_s - m.host_wait_s
+        self.host_pays_of.update((s.request_id, self.host_pays) for s in plan.seqs
+                                 if s.sample and not s.prefill)
         if m.host_bytes:
             self.host_serial.add(m.host_serial_s)
         if self.shaper is not None:

@@ -80,7 +80,7 @@ class MeasuredSplit:
     """The configured split: a fixed ``host_attention_fraction`` of every request's cold
     blocks, or under ``host_attention="auto"`` the split that lets the link and the host
     finish together from their measured rates (a quarter of each until both are measured);
-    none where the last decode round was compute-bound."""
+    none where the step's requests were last verified in a compute-bound round."""
 
     def __init__(self, config: EngineConfig, block_bytes: int) -> None:
         self.fraction = config.host_attention_fraction
@@ -90,7 +90,8 @@ class MeasuredSplit:
                est: Estimates) -> list[float]:
         if self.fraction is not None:
             return [self.fraction * n for n in blocks]
-        if not est.host_pays:  # compute-bound: moving history off the link buys nothing
+        # compute-bound: moving history off the link buys nothing
+        if not est.host_pays_for(s.request_id for s in seqs):
             return [0.0] * len(blocks)
         host = est.host
         cost = [host.per_byte(len(s.token_ids)) if host is not None else 0.0 for s in seqs]
