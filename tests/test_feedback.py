@@ -128,6 +128,24 @@ def test_the_groups_merge_where_verification_hides_the_link_and_split_again() ->
     assert fb.estimates().link_bound
 
 
+def test_history_the_host_attends_is_the_hosts_time_not_the_links() -> None:
+    """Rounds whose cold history the host mostly attends: their history takes the longer of
+    the link's share and the host's time, not all of it over the link (c01: 70 ms counted
+    against 33 ms of verification, where the link carried 17 and the host 5)."""
+    def rounds(host_busy_s: float) -> bool:
+        fb = _feedback()
+        for _ in range(20):
+            fb.observe(VERIFY, StepOutput(), StepMeasures(
+                wall_s=0.033, wait_s=0.0, draft_s=0.0, link_busy_s=0.017,
+                link_bytes=17_000_000, history_bytes=17_000_000, prefill_tokens=0,
+                decode=True, host_attends=True, host_bytes=53_000_000,
+                host_busy_s=host_busy_s))
+        return fb.estimates().link_bound
+
+    assert not rounds(0.005)  # 17 ms of link, 5 of host, 33 of verification: merged
+    assert rounds(0.050)  # the host's 50 ms outlast verification: still two groups
+
+
 def test_a_step_that_only_drafted_leaves_the_groups_split() -> None:
     """One request decoding (or one group empty): every other step only drafts, moving nothing
     in a fraction of a millisecond. Its ratio of nothing over nothing is no round's: counted as

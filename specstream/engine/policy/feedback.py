@@ -137,9 +137,13 @@ class RoundFeedback:
         return m.history_bytes / self.link_bps if self.link_bps > 0 else m.link_busy_s
 
     def _observe_link_bound(self, plan: StepPlan, m: StepMeasures) -> None:
-        """After a decode round with no prefill chunk: its history's link time (what the host
-        attended included: it would cross the link otherwise) over its verification time
-        (neither blocked on the link or the host nor drafting). A step that only drafted (its
+        """After a decode round with no prefill chunk: its history's time over its
+        verification time (neither blocked on the link or the host nor drafting). The
+        history's time is the longer of its two paths as they ran, the link's share and the
+        host's (host attention reads the rest where it lives, merged or not); counting the
+        host's bytes as link time called c01's rounds of seven link-bound (70 ms of history
+        against 33 ms of verification) where the link carried 17 ms of it and the host 5,
+        and split them into groups of three and four. A step that only drafted (its
         group had nothing to verify) is no round: its ratio of nothing over nothing read as 0
         and pulled the average of a slow link's rounds towards a merge."""
         if not m.decode or m.prefill_tokens or not _verifies(plan):
@@ -147,8 +151,8 @@ class RoundFeedback:
         verify_s = m.wall_s - m.wait_s - m.draft_s - m.host_wait_s
         if verify_s <= 0:
             return
-        ratio = self.link_over_verify.add(
-            (m.history_bytes + m.host_bytes) / self.link_bps / verify_s)
+        history_s = max(m.history_bytes / self.link_bps, m.host_busy_s if m.host_bytes else 0.0)
+        ratio = self.link_over_verify.add(history_s / verify_s)
         if self.link_bound and ratio < MERGE_BELOW:
             self.link_bound = False
         elif not self.link_bound and ratio > SPLIT_ABOVE:
