@@ -264,7 +264,10 @@ def test_a_step_that_mostly_catches_up_measures_the_catch_up_not_the_forwards():
     # ... until the rounds since the last exploration that ran pay for it (a choice of no
     # speculation whose catching up grows round by round is not kept from exploring for ever)
     shaper.decisions += 7 * shaper.explore_every
-    assert shaper.explore_now(1000, 4)
+    # ... but never by more rounds than the known work has left, which alone can use what
+    # it learns (c09: a 6K request's window fed for its last few tokens)
+    assert not shaper.explore_now(1000, 4, rounds_left=3)
+    assert shaper.explore_now(1000, 4, rounds_left=1000)
     assert not shaper.explore_now(1000, 4)  # it ran: the allowance starts again
 
 
@@ -368,3 +371,19 @@ def test_the_catch_up_rate_weighs_a_whole_prompt_above_a_few_tokens():
     shaper.observe_step(StepPlan((), (whole,)), out, 0.0, 0.0, 0.0631, prefill=True)
     assert shaper.catch_up_token_s == pytest.approx((0.7 * 0.0058 + 0.0631) / (0.7 * 64 + 1024))
     assert shaper.catch_up_token_s < 0.064 / 1000
+
+
+def test_the_rounds_left_count_the_waiting_requests_and_not_the_finished():
+    """An exploration's allowance ends with the known work: each unfinished request's tokens
+    left, at one a round, spread over the requests decoding now."""
+    from specstream.engine.request import Request, Status
+    from specstream.engine.sched.drafts import DraftPlanner
+
+    planner = DraftPlanner(EngineConfig(mode="specstream", proposer="ngram"), None, 1 << 16)
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    decoding = [Request(f"d{i}", [1] * 100, params, num_computed_tokens=100) for i in range(2)]
+    decoding[0].output_token_ids = [7] * 30  # two tokens left
+    waiting = Request("w", [1] * 100, params)
+    done = Request("f", [1] * 100, params, status=Status.FINISHED)
+    requests = {r.request_id: r for r in (*decoding, waiting, done)}
+    assert planner.rounds_left(decoding, requests) == (2 + 32 + 32) / 2

@@ -35,9 +35,8 @@ it drafts right after it, in the shape of that step), and that share of the draf
 caught up on (measured on steps that mostly caught up; before that, the target's prefill time
 per token scaled by the draft's share of the parameters) counts in every drafting round, times
 the tokens a request gets from the round: a request that gets E tokens a round has room / E
-rounds left to spread the cost over, so a round pays E / room of it. An exploration
-is skipped where its catching up would cost more than ``explore_share`` of the rounds since the
-last one.
+rounds left to spread the cost over, so a round pays E / room of it. An exploration is skipped
+where its catching up would cost more than ``explore_share`` of the rounds it can serve.
 """
 
 from __future__ import annotations
@@ -104,9 +103,8 @@ class RoundShaper:
     explored_at: int = 0  # the decision of the last exploration that ran
     explore_share: float = 0.05  # of the time between explorations, the most one may cost
     # The draft's time per token it catches up on (tokens it has not seen, fed before its
-    # drafts): measured on steps whose drafting was mostly catching up; before one is seen,
-    # a prior (``prior_catch_up``: the target's prefill time per token scaled by the
-    # draft's share of the parameters).
+    # drafts): measured on steps whose drafting was mostly catching up; before, a prior
+    # (``prior_catch_up``: the target's prefill per token times the draft's share).
     catch_up_token_s: float = 0.0
     catch_up_measured: bool = False
     catch_up_fed_s: float = 0.0  # measured catching up: seconds, tokens (decayed sums)
@@ -174,15 +172,17 @@ class RoundShaper:
         for walk in tree_walks:
             self.acceptance.observe_walk(walk)
 
-    def explore_now(self, catch_up_tokens: int, num_requests: int) -> bool:
-        """Whether the exploration due runs (and then it counts as run): where making the
-        draft feed ``catch_up_tokens`` first costs at most ``explore_share`` of the rounds
-        since the last that ran, ``explore_every`` at least (a fixed allowance skipped them
-        all once the choice sat at 0 long enough: the catching up grows with it). The first
-        probes always run."""
+    def explore_now(self, catch_up_tokens: int, num_requests: int,
+                    rounds_left: float | None = None) -> bool:
+        """Whether the exploration due runs (then it counts as run): where feeding the draft
+        ``catch_up_tokens`` costs at most ``explore_share`` of the rounds since the last that
+        ran (``explore_every`` at least: the catching up grows while the choice sits at 0)
+        and of the ``rounds_left`` of the known work, which alone can use what it learns.
+        The first probes always run."""
         if not self.exploring:
             return True
-        since = max(self.explore_every, self.decisions - self.explored_at)
+        since = min(max(self.explore_every, self.decisions - self.explored_at),
+                    float("inf") if rounds_left is None else rounds_left)
         rounds = since * self.costs().round_s(Shape(0), max(1, num_requests), self.drafting)
         if self._catch_up_s(catch_up_tokens) > self.explore_share * rounds:
             return False

@@ -84,12 +84,19 @@ class DraftPlanner:
             # first drafts would make the draft prefill their windows before the policy knows
             # whether drafting pays), and an exploration not at all where that costs too much
             shaped.sort(key=lambda w: w.unseen)
-            keep = 1 if self.shaper.explore_now(shaped[0].unseen, len(shaped)) else 0
+            keep = 1 if self.shaper.explore_now(shaped[0].unseen, len(shaped),
+                                                self.rounds_left(running, requests)) else 0
             dropped = {w.request_id for w in shaped[keep:]}
             for rid in dropped:
                 requests[rid].needs_draft = False
             work = [w for w in work if w.request_id not in dropped]
         return tuple(work)
+
+    def rounds_left(self, running: list[Request], requests: dict[str, Request]) -> float:
+        """Rounds of the known work (running and waiting requests) at a token a request a
+        round, as many requests a round as decode now."""
+        decoding = max(1, sum(not r.in_prefill for r in running))
+        return sum(max(0, self.room(r)) for r in requests.values() if not r.finished) / decoding
 
     def shaped(self, req: Request) -> bool:
         """Whether the round-shape policy shapes the request's drafts. Not a seeded sampled
