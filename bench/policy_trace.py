@@ -37,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     from specstream.engine.policy import shaping
     from specstream.llm import LLM
 
-    cell = next(c for c in matrix.DESIGN if c.name == args.cell)
+    cells = {c.name: c for c in matrix.DESIGN}
+    if args.cell not in cells:
+        ap.error(f"no cell {args.cell!r}; the matrix's cells: {', '.join(cells)}")
+    cell = cells[args.cell]
     work = matrix.workload_of(cell, args.output_len)
     budget = int(cell.budget * workload_kv_bytes(work, BenchSettings()))
     probe = LLM(mode="resident", device="cpu")
