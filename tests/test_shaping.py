@@ -247,7 +247,7 @@ def test_a_step_that_mostly_catches_up_measures_the_catch_up_not_the_forwards():
     out = StepOutput()
     out.drafts["r"] = [5, 6, 7, 8]
     shaper.observe_step(StepPlan((), (work,)), out, 0.0, 0.0, 0.104, prefill=True)
-    assert shaper.catch_up_measured and shaper.catch_up_token_s == pytest.approx(1.04e-4)
+    assert shaper.catch_up_fed > 0 and shaper.catch_up_token_s == pytest.approx(1.04e-4)
     assert shaper.draft.n == 0  # the draft line did not see a 26 ms "forward"
     shaper.prior_catch_up(1e-5)  # a prior no longer replaces a measurement
     assert shaper.catch_up_token_s == pytest.approx(1.04e-4)

@@ -106,8 +106,8 @@ class RoundShaper:
     # drafts): measured on steps whose drafting was mostly catching up; before, a prior
     # (``prior_catch_up``: the target's prefill per token times the draft's share).
     catch_up_token_s: float = 0.0
-    catch_up_measured: bool = False
-    catch_up_fed_s: float = 0.0  # measured catching up: seconds, tokens (decayed sums)
+    # measured catching up (none yet: 0): seconds, tokens (decayed sums)
+    catch_up_fed_s: float = 0.0
     catch_up_fed: float = 0.0
     # host_attention auto (observe_host): a verified request's cold bytes per round, the
     # link's rate and the host's costs; None while the host has no share
@@ -215,7 +215,6 @@ class RoundShaper:
             self.catch_up_fed_s = 0.7 * self.catch_up_fed_s + max(0.0, draft_s - forwards)
             self.catch_up_fed = 0.7 * self.catch_up_fed + unseen
             self.catch_up_token_s = self.catch_up_fed_s / self.catch_up_fed
-            self.catch_up_measured = True
         elif levels:
             draft_s = max(0.0, draft_s - self.catch_up_token_s * unseen)
             steps = [nodes / levels] * levels
@@ -243,7 +242,7 @@ class RoundShaper:
     def prior_catch_up(self, token_s: float) -> None:
         """The engine's estimate of the draft's time per token caught up on, used until a
         step measures it."""
-        if not self.catch_up_measured:
+        if not self.catch_up_fed:
             prior = self.catch_up_token_s
             self.catch_up_token_s = 0.7 * prior + 0.3 * token_s if prior else token_s
 
