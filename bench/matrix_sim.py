@@ -67,7 +67,12 @@ def simulate(record: dict[str, Any], sources: list[dict[str, Any]]) -> dict[str,
     from specstream.sim.engine_model import Geometry
     from specstream.sim.host_replay import HostModel
     from specstream.sim.replay import ReplaySetup, replay_mean
-    from specstream.sim.step_cost import fit_modes, pairs_per_query_token
+    from specstream.sim.step_cost import (
+        compute_ratio,
+        fit_modes,
+        pairs_per_query_token,
+        scaled,
+    )
     from specstream.sim.workload import AcceptanceModel
 
     as_mode = {"resident": "resident", "default": "specstream", BASELINE: "offload-spec"}
@@ -105,10 +110,25 @@ def simulate(record: dict[str, Any], sources: list[dict[str, Any]]) -> dict[str,
                             cost=costs[mode], link_bw=link_rate(record), host=host)
         got = replay_mean(setup, seeds=REPLAY_SEEDS).result
         out[name] = {"throughput": got.throughput, "tpot_s": got.tpot_s,
-                     "throughput_error": report.rel_error(got.throughput,
-                                                          measured["output_tokens_per_s"]),
-                     "tpot_error": report.rel_error(got.tpot_s, measured["tpot_s"])}
+                     **errors(got, measured)}
+        # the same replay at the cell's own compute speed (a diagnostic, not the target: it
+        # reads one number off this cell's measured steps): what is left is the replay's
+        # steps and waits, not the other cells' machine time
+        ratio = compute_ratio(costs[mode], list(measured["rounds"]) + list(
+            measured.get("prefill_steps") or ()), link_rate(record))
+        if ratio is not None:
+            own = replay_mean(replace(setup, cost=scaled(costs[mode], ratio)),
+                              seeds=REPLAY_SEEDS).result
+            out[name].update({"compute_ratio": ratio, **{
+                f"{k}_own_speed": v for k, v in errors(own, measured).items()}})
     return out
+
+
+def errors(got: Any, measured: dict[str, Any]) -> dict[str, float | None]:
+    """A replay's relative errors on the measured run's throughput and TPOT."""
+    return {"throughput_error": report.rel_error(got.throughput,
+                                                 measured["output_tokens_per_s"]),
+            "tpot_error": report.rel_error(got.tpot_s, measured["tpot_s"])}
 
 
 def add_replay(records: list[dict[str, Any]], calibration: str = "pair") -> None:

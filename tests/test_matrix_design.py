@@ -114,6 +114,27 @@ def test_the_confirmed_ratio_is_the_fresh_runs_medians() -> None:
     assert "0.976 (q4; 19.0, 20.0, 21.5 / 19.5, 20.5, 40.0)" in report.markdown(out)
 
 
+def test_the_replay_at_the_cells_own_speed_is_reported_apart_from_the_target() -> None:
+    """The replay at the cell's compute speed is shown and counted, never as the target."""
+    rec = _record(default={"throughput_error": -0.20, "tpot_error": 0.10,
+                           "compute_ratio": 0.8, "throughput_error_own_speed": 0.04,
+                           "tpot_error_own_speed": -0.30})
+    a = report.analyse(rec)
+    assert a["sim_default_compute_ratio"] == 0.8
+    assert a["meets"]["sim_throughput"] is False  # the target reads the other cells' speed
+    rec["analysis"] = a
+    s = report.summary([rec, {**_record(), "analysis": report.analyse(_record())}])
+    assert s["own_speed"] == {"throughput": {"within": 1, "of": 1},
+                              "tpot": {"within": 0, "of": 1}}
+    assert s["sim_throughput"] == {"met": 0, "of": 1}
+    out = {"quick": True, "grid": ["q2", "q4", "tree", "q4-tail"], "cells": [rec],
+           "summary": s, "wall_s": 60.0, "estimated_full_run_s": {"32": 600.0}}
+    md = report.markdown(out)
+    assert "+4% / -30% (x0.80)" in md
+    assert "within 15% throughput in 1/1, within 25% TPOT in 0/1" in md
+    assert "own_speed" not in md.split("Targets met")[1].split("\n")[0]
+
+
 def test_report_on_a_zero_floor_and_without_a_replay() -> None:
     """A floor of 0 is met only by moving nothing; no replay leaves its targets undefined."""
     rec = _record()

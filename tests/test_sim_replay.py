@@ -17,7 +17,7 @@ from specstream.sim.calibrate import nnls, predict, relative_errors, validation_
 from specstream.sim.engine_model import build, engine_config
 from specstream.sim.fake_worker import FakeWorker
 from specstream.sim.replay import replay, replay_mean, setups
-from specstream.sim.step_cost import StepCost, StepFeatures, fit_modes
+from specstream.sim.step_cost import StepCost, StepFeatures, compute_ratio, fit_modes, scaled
 from specstream.sim.workload import AcceptanceModel
 
 RESULTS = Path(__file__).parents[1] / "bench" / "results"
@@ -130,6 +130,26 @@ def test_parallel_drafting_is_fitted_on_the_measured_draft_time() -> None:
     assert c.concurrent_draft
     assert c.coef[1] == pytest.approx(1e-3, rel=1e-6)
     assert c.coef[5] == pytest.approx(2e-3, rel=1e-6)
+
+
+def test_compute_ratio_reads_how_much_slower_the_steps_ran_than_the_fit() -> None:
+    """Steps measured 1.25x what a cost predicts give 1.25, and the cost scaled by it predicts
+    them; a second worker's draft counts only where the wait left it exposed."""
+    def step(q: int, scale: float, wait: float = 0.0, dt: int = 0) -> dict[str, float]:
+        draft = 2e-3 * dt
+        return {"query_tokens": q, "context_tokens": 0, "attention_pairs": 0, "num_seqs": 1,
+                "draft_tokens": dt, "draft_seqs": 1 if dt else 0, "draft_s": draft,
+                "wait_s": wait, "compute_s": (1e-3 + 1e-3 * q) * scale + max(0.0, draft - wait)}
+    cost = StepCost((1e-3, 1e-3, 0.0, 0.0, 0.0, 2e-3, 0.0, 0.0))
+    slow = [step(q, 1.25) for q in (1, 5, 40)]
+    assert compute_ratio(cost, slow, 1e9) == pytest.approx(1.25)
+    again = scaled(cost, 1.25)
+    assert sum(again.compute_s(StepFeatures.of_record(r))[0] for r in slow) == pytest.approx(
+        sum(r["compute_s"] for r in slow))
+    assert compute_ratio(cost, [], 1e9) is None
+    parallel = replace(cost, concurrent_draft=True)  # drafts of 8 ms, waits of 0 and 10 ms
+    rows = [step(q, 0.8, w, 4) for q in (2, 9) for w in (0.0, 0.01)]
+    assert compute_ratio(parallel, rows, 1e9) == pytest.approx(0.8)
 
 
 def test_step_costs_are_fitted_on_relative_errors() -> None:

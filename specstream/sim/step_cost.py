@@ -173,6 +173,29 @@ class StepCost:
                           for n, c in zip(FEATURES, self.coef, strict=True) if c > 1e-15)
 
 
+def compute_ratio(cost: StepCost, rows: list[dict[str, Any]], link_bw: float) -> float | None:
+    """The measured steps' compute over what ``cost`` predicts for them (both summed, as the
+    fit reads a step's compute: ``_target``; a second worker's draft only where the wait left
+    it exposed). Above 1: these steps ran slower than the steps ``cost`` was fitted on, the
+    machine's speed at the two times and whatever the fit's columns miss, together; None
+    without steps."""
+    measured = predicted = 0.0
+    for r in rows:
+        f = StepFeatures.of_record(r)
+        y, (compute, draft) = _target(r, f, link_bw), cost.compute_s(f)
+        if cost.concurrent_draft:
+            wait = float(r.get("wait_s", 0.0))
+            y -= exposed_draft(float(r.get("draft_s", 0.0)), wait)
+            compute -= draft
+        measured, predicted = measured + y, predicted + compute
+    return measured / predicted if predicted > 0 else None
+
+
+def scaled(cost: StepCost, factor: float) -> StepCost:
+    """``cost`` with every step ``factor`` times as long (the link's time unchanged)."""
+    return replace(cost, coef=tuple(c * factor for c in cost.coef))
+
+
 def exposed_draft(draft_s: float, wait_s: float) -> float:
     """What a draft run on its own thread adds to a step that waits ``wait_s`` on the link
     (``StepCost.concurrent_draft``)."""
