@@ -4,6 +4,8 @@ that the round-shape policy drafts exactly where drafting shortens a request's r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from specstream.config import EngineConfig
@@ -17,6 +19,7 @@ from specstream.engine.policy.round_shape import (
 from specstream.engine.policy.shaping import RoundShaper
 from specstream.engine.request import Request
 from specstream.engine.sched.drafts import DraftPlanner
+from specstream.options import Drafting
 from specstream.sampling_params import SamplingParams
 
 CATCH_UP_TOKEN_S = 1e-4  # the draft's time per token it catches up on
@@ -106,3 +109,38 @@ def test_expected_tokens_follow_every_observation():
         kept.observe_chain(drafts, accepted)
         history.append((drafts, accepted))
     assert expected_tokens(Shape(4), kept) != expected_tokens(Shape(4), AcceptanceEstimate())
+
+
+def test_everyones_catching_up_is_decided_on_the_rounds_not_on_the_prior():
+    """Prompts of random ids (the matrix's c12 at 128 tokens a request), link-bound rounds
+    (30 ms on the link, 12-16 ms of verification): the prior (0.6 a token) says drafting
+    pays for every request's catching up; the probe's request, caught up already, misses
+    every draft. Until its rounds are as many observations as the prior is worth, the shape
+    stays its probe; then they decide alone: no speculation, where the prior-weighted
+    estimate (0.29 after eight misses) would still have everyone catch up. Where the rounds
+    match three drafts in four, everyone drafts. Where the draft runs in the link's gaps
+    (``specstream``), the link hides that catching up and the prior decides as before."""
+    for outcomes, drafts, drafting in ((((2, 0),), False, "sequential"),
+                                       (((2, 2), (2, 1)), True, "sequential"),
+                                       (((2, 0),), True, Drafting.GAPS)):
+        shaper = RoundShaper(max_depth=4, drafting=drafting)
+        shaper.prior_catch_up(0.0001)  # 0.1 ms a token
+        for _ in range(60):  # the costs, at 0.7 a token (that acceptance is reset below)
+            q = shaper.shape(4).depth
+            shaper.observe(0.030, 0.010 + 0.0005 * 4 * (q + 1), 4 * (q + 1), [4] * q,
+                           0.001 * q, [(q, min(q, round(0.7 + 0.49 * (q > 1))))] * 4)
+        shaper.acceptance = replace(shaper.acceptance, hits=[], tries=[], depth_hits=[],
+                                    depth_tries=[], _memo={}, _expected={})
+        first = shaper.shape(4, catch_up=1.0)
+        if drafting is Drafting.GAPS:
+            assert first.depth > 0 and not shaper.probing
+            continue
+        assert first == Shape(2) and shaper.probing
+        while shaper.acceptance.observed() < shaper.prior_weight:
+            for drafted, accepted in outcomes:
+                shaper.acceptance.observe_chain(drafted, accepted)
+        pick = shaper.shape(4, catch_up=1.0)
+        assert not shaper.probing and (pick.depth > 0) == drafts, pick
+        prior_led = choose(shaper.candidates, 4, shaper.costs(1.0), shaper.acceptance)
+        assert prior_led.depth > 0  # what the prior-weighted estimate would have done
+        assert shaper.shape(4, catch_up=0.5).depth > 0  # less than a room: as before

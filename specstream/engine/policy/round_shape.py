@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specstream.options import Drafting
 
@@ -46,7 +46,6 @@ def transfer_s(cold_bytes: float, link_bps: float, seconds_per_byte: float,
     return max((cold_bytes - host) / link_bps, serial_s + host * seconds_per_byte)
 
 
-
 @dataclass(frozen=True)
 class Shape:
     depth: int  # the deepest draft; 0 = no speculation
@@ -60,7 +59,7 @@ class Shape:
             raise ValueError(f"a chain of depth {self.depth} has {self.depth} nodes")
 
     @property
-    def num_nodes(self) -> int:
+    def num_nodes(self) -> int:  # draft positions per request
         return self.depth if self.topk == 1 else self.nodes
 
     @property
@@ -89,10 +88,9 @@ class AcceptanceEstimate:
     # the first candidate at depth d + 1 (1: the drafts right after the last sampled token)
     depth_hits: list[float] = field(default_factory=list)
     depth_tries: list[float] = field(default_factory=list)
-    # ``table``'s answers since the last observation: a decision prices ~40 shapes
+    # ``table``'s and ``expected_tokens``'s answers since the last observation (a decision
+    # prices ~40 shapes; while nothing is drafted, nothing is observed)
     _memo: dict[tuple[int, int], list[list[float]]] = field(default_factory=dict, repr=False)
-    # ``expected_tokens``'s answers since the last observation: while no drafts are verified
-    # (the choice is no speculation) nothing is observed, and a decision reads them all here
     _expected: dict[Shape, float] = field(default_factory=dict, repr=False)
 
     def pooled(self, rank: int) -> float:
@@ -127,6 +125,17 @@ class AcceptanceEstimate:
             got = self._memo[key] = [[self.beta(r, d) for r in range(topk)]
                                      for d in range(depth + 1)]
         return got
+
+    def observed(self) -> float:
+        """Observations of the first candidate so far (decayed; the prior not counted)."""
+        return self.tries[0] if self.tries else 0.0
+
+    def data_led(self) -> AcceptanceEstimate:
+        """What the rounds say: the same counts, the prior worth one observation and every
+        rank's scaled to the first candidate's figure they give."""
+        led = replace(self, prior_weight=1.0, _memo={}, _expected={})
+        k = led.pooled(0) / self.prior[0] if self.prior[0] else 1.0
+        return replace(led, prior=tuple(p * k for p in self.prior), _memo={}, _expected={})
 
     def observe(self, num_candidates: int, matched_rank: int | None, depth: int = 0) -> None:
         """One verified node whose path was accepted, ``depth`` levels down (0: not known):
@@ -222,10 +231,8 @@ class RoundCosts:
     draft_level_s: float = 0.0  # one draft forward: fixed part
     draft_per_node_s: float = 0.0  # ... and per node drafted in it (all requests)
     draft_round_s: float = 0.0  # ... and once a round (the first forward feeds the accepted)
-    # drafting's one-off cost, spread over the rounds that follow: the draft catching up on
-    # tokens it has not seen (a request that never drafted prefills its window), per round
-    # and per token a request gets from the round (a shape that yields more tokens a round
-    # leaves fewer rounds to spread the cost over: ``draft_s``'s ``tokens``)
+    # drafting's one-off cost, the draft catching up on tokens it has not seen, spread over
+    # the rounds that follow: per round and per token a request gets from it (``tokens``)
     draft_setup_s: float = 0.0
     # host_attention "auto": a verified request's cold history per round, the link's rate, the
     # host's seconds per byte (fixed part, per query position of a request) and the device
@@ -271,6 +278,12 @@ class RoundCosts:
         if drafting is Drafting.PARALLEL:
             return max(link, verify, draft)
         return max(link, verify) + draft
+
+
+    def setup_shows(self, shape: Shape, num_requests: int, drafting: str) -> bool:
+        """Whether the catching up lengthens a round of ``shape`` (not hidden by the link)."""
+        bare = replace(self, draft_setup_s=0.0).round_s(shape, num_requests, drafting)
+        return self.round_s(shape, num_requests, drafting) > bare
 
 
 def choose(candidates: Sequence[Shape], num_requests: int, costs: RoundCosts,

@@ -13,30 +13,31 @@ depth in nodes up to ``max_nodes``. Tree rounds teach it acceptance by rank (whi
 children the target took). Pure Python: it sees numbers, never tensors.
 
 Probing and exploration: until a verified round has had drafts, rounds draft half the allowed
-depth for one request (acceptance and the draft's cost); then the model decides. Steps that
-carry a prefill chunk teach acceptance, the link time and the draft's cost, not the
-verification fit. History read and query positions are priced apart (a request's history is
-read once however many positions attend it; its price is per token of history, so a round at a
-short context does not pass for a cheap request): where the rounds seen so far do not tell them
+depth for one request (acceptance and the draft's cost); then the model decides. Where it would
+have requests catch up a room's worth of tokens or more, a cost the link does not hide and
+drafting never takes back, it decides on the observations alone (the prior worth one), and
+until there are as many as the prior is worth, the probe's request drafts on. Steps that carry
+a prefill chunk teach acceptance, the link time and the draft's cost, not the verification
+fit. History read and query positions are priced apart (a request's history is read once
+however many positions attend it; its price is per token of history, so a round at a short
+context does not pass for a cheap request): where the rounds seen so far do not tell them
 apart (rounds that differed in request count, not in depth), a query position is priced as a
-prefill token of the target (``prior_position``, measured on prefill steps; no exploration
-needed), and before any prefill was measured every query position is taken to cost alike
-(cautious where compute decides, moot where the link does). While the choice is 0 nothing is
-drafted and nothing new is learnt about acceptance, so every ``explore_every``-th decision
-drafts one token for one request (the cheapest probe; it also gives the verification line a
-second size). Probes and explorations draft for one request of the step only (``probing``): a
-request's first drafts make the draft prefill its window, which is wasted wherever
-speculation turns out not to pay.
+prefill token of the target (``prior_position``, measured on prefill steps), and before any
+prefill was measured every query position is taken to cost alike (cautious where compute
+decides, moot where the link does). While the choice is 0 nothing is drafted and nothing new is
+learnt about acceptance, so every ``explore_every``-th decision drafts one token for one
+request (the cheapest probe; it also gives the verification line a second size). Probes and
+explorations draft for one request of the step only (``probing``): a request's first drafts
+make the draft prefill its window, which is wasted wherever speculation turns out not to pay.
 
 Catching up: before drafting, a draft model feeds the tokens it has not seen (a request that
 never drafted: its sinks and window). The scheduler counts them per request, divided by the
-tokens the request may still generate (and a prompt's whose last prefill chunk the step takes:
-it drafts right after it, in the shape of that step), and that share of the draft's time per token
-caught up on (measured on steps that mostly caught up; before that, the target's prefill time
-per token scaled by the draft's share of the parameters) counts in every drafting round, times
-the tokens a request gets from the round: a request that gets E tokens a round has room / E
-rounds left to spread the cost over, so a round pays E / room of it. An exploration is skipped
-where its catching up would cost more than ``explore_share`` of the rounds it can serve.
+tokens the request may still generate (and a prompt's whose last prefill chunk the step takes),
+and that share of the draft's time per token caught up on (measured on steps that mostly caught
+up; before, the target's prefill time per token scaled by the draft's share of the parameters)
+counts in every drafting round, times the tokens E a request gets from it: room / E rounds
+share the cost. An exploration is skipped where its catching up would cost more than
+``explore_share`` of the rounds it can serve.
 """
 
 from __future__ import annotations
@@ -73,11 +74,9 @@ class RoundShaper:
     max_topk: int = 1  # speculative_topk: trees of this branching allowed when > 1
     max_nodes: int = 0  # speculative_num_draft_tokens: a tree's node budget at most
     prior_acceptance: float = 0.6  # per-token acceptance before any round is seen
-    # ... worth this many observations: few, so that a draft that misses (prompts of random
-    # ids, one request a round: one observation a round) is read as missing within ten
-    # rounds, not after the forty that a prior worth twenty took to halve; not fewer, so
-    # that one unlucky round does not talk a tree out of a depth that pays (at four, the
-    # link-bound preset took one depth-6 round less and two rounds more)
+    # ... worth this many observations: few, so that a draft that misses (random ids, one
+    # observation a round) is read as missing within ten rounds (twenty took forty); not
+    # fewer, so that one unlucky round does not talk a tree out of a depth that pays
     prior_weight: float = 8.0
     explore_every: int = 32
     acceptance: AcceptanceEstimate = field(init=False)
@@ -85,9 +84,7 @@ class RoundShaper:
     # x1 history read (tokens / HISTORY_UNIT, summed over the round's requests; request counts
     # where a caller gives no history), x2 query positions
     verify: PlaneFit = field(default_factory=PlaneFit)
-    # a verified request's history in x1's units: the last round's, until ``shape`` is told
-    # the next round's
-    history_per_request: float = 1.0
+    history_per_request: float = 1.0  # a request's x1: the last round's, or as ``shape`` is told
     prefill_token_s: Ewma = field(default_factory=Ewma)  # the target's prefill, per token
     draft: LineFit = field(default_factory=LineFit)  # a draft forward over its nodes
     # a drafting round over its forwards (x1) and nodes (x2): its fixed part comes apart
@@ -102,9 +99,8 @@ class RoundShaper:
     exploring: bool = False  # ... one made while the choice is no speculation
     explored_at: int = 0  # the decision of the last exploration that ran
     explore_share: float = 0.05  # of the time between explorations, the most one may cost
-    # The draft's time per token it catches up on (tokens it has not seen, fed before its
-    # drafts): measured on steps whose drafting was mostly catching up; before, a prior
-    # (``prior_catch_up``: the target's prefill per token times the draft's share).
+    # The draft's time per token it catches up on: measured on steps whose drafting was mostly
+    # catching up; before, a prior (``prior_catch_up``)
     catch_up_token_s: float = 0.0
     # measured catching up (none yet: 0): seconds, tokens (decayed sums)
     catch_up_fed_s: float = 0.0
@@ -257,9 +253,8 @@ class RoundShaper:
                         host_serial_s=c.serial_s)
         return RoundCosts(link_s=self.link_s, verify_base_s=va,
                           verify_per_request_s=vr * self.history_per_request,
-                          verify_per_position_s=vb,
-                          draft_level_s=da, draft_per_node_s=db, draft_round_s=df,
-                          draft_setup_s=self._catch_up_s(catch_up), **host)
+                          verify_per_position_s=vb, draft_level_s=da, draft_per_node_s=db,
+                          draft_round_s=df, draft_setup_s=self._catch_up_s(catch_up), **host)
 
     def draft_coef(self) -> tuple[float, float, float]:
         """A drafting round's seconds: once, per forward, per node. Rounds of one depth do not
@@ -277,11 +272,10 @@ class RoundShaper:
     def shape(self, num_requests: int, catch_up: float = 0.0,
               history_tokens: int | None = None) -> Shape:
         """The drafts' shape for the next round of ``num_requests`` verified requests (whose
-        history is ``history_tokens``; None: as the last verified round's).
-        ``catch_up``: the tokens the draft must feed before drafting for them (what it has not
-        seen), each request's divided by the tokens it has left to generate: drafting's
-        one-off cost spread over the rest of the requests' lives, counted in every round
-        that drafts, times the tokens the round's shape is expected to give a request."""
+        history is ``history_tokens``; None: as the last verified round's). ``catch_up``: the
+        tokens the draft must feed before drafting for them, each request's over the tokens
+        it has left to generate (drafting's one-off cost spread over the requests' lives,
+        counted in every drafting round times the tokens it gives a request)."""
         self.decisions += 1
         self.probing = self.exploring = False
         if history_tokens is not None and num_requests:
@@ -289,9 +283,15 @@ class RoundShaper:
         if not self.seen_drafts or self.draft.n == 0:
             pick, self.probing = Shape(max(1, self.max_depth // 2)), True
         else:
-            pick = choose(self.candidates, max(1, num_requests), self.costs(catch_up),
-                          self.acceptance, self.drafting)
-            if pick.depth == 0 and self.decisions % self.explore_every == 0:
+            n, costs = max(1, num_requests), self.costs(catch_up)
+            pick = choose(self.candidates, n, costs, self.acceptance, self.drafting)
+            if pick.depth and catch_up >= 1 and costs.setup_shows(pick, n, self.drafting):
+                if self.acceptance.observed() < self.prior_weight:  # a room's worth: on data
+                    pick, self.probing = Shape(max(1, self.max_depth // 2)), True
+                else:
+                    pick = choose(self.candidates, n, costs, self.acceptance.data_led(),
+                                  self.drafting)
+            elif pick.depth == 0 and self.decisions % self.explore_every == 0:
                 pick, self.probing = Shape(1), True
                 self.exploring = True
         self.chosen[pick.depth] = self.chosen.get(pick.depth, 0) + 1
