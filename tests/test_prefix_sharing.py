@@ -165,8 +165,9 @@ def test_a_shared_block_crosses_the_link_once_a_round(tiny_target, mode, residen
 
 
 def test_trees_are_exact_with_sharing(tiny_target, tiny_draft, resident_out):
+    # every round a tree: the policy's choice (auto) on the tiny pair is free to take none
     tree = dict(draft_model=tiny_draft, num_speculative_tokens=3, speculative_topk=2,
-                speculative_num_draft_tokens=6)
+                speculative_num_draft_tokens=6, speculative_policy="fixed")
     out, m = _run(tiny_target, _prompts(), GREEDY, mode="specstream", **OFFLOAD, **tree)
     assert out == resident_out and m["tree_rounds"] > 0 and m["prefix_cache_hits_total"] > 0
 
