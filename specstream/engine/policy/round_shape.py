@@ -135,7 +135,8 @@ class AcceptanceEstimate:
         rank's scaled to the first candidate's figure they give."""
         led = replace(self, prior_weight=1.0, _memo={}, _expected={})
         k = led.pooled(0) / self.prior[0] if self.prior[0] else 1.0
-        return replace(led, prior=tuple(p * k for p in self.prior), _memo={}, _expected={})
+        led.prior = tuple(p * k for p in self.prior)  # nothing priced on it yet: no memo
+        return led
 
     def observe(self, num_candidates: int, matched_rank: int | None, depth: int = 0) -> None:
         """One verified node whose path was accepted, ``depth`` levels down (0: not known):
@@ -278,7 +279,6 @@ class RoundCosts:
         if drafting is Drafting.PARALLEL:
             return max(link, verify, draft)
         return max(link, verify) + draft
-
 
     def setup_shows(self, shape: Shape, num_requests: int, drafting: str) -> bool:
         """Whether the catching up lengthens a round of ``shape`` (not hidden by the link)."""
