@@ -27,8 +27,10 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "offload-spec": dict(mode="offload-spec", **STREAMED, **FIXED),
     "specstream": dict(mode="specstream", **STREAMED, **FIXED),
     "specstream/fill": dict(mode="specstream", device_kv_bytes=24 << 20, **FIXED),
+    # a tree every round (the auto policy on the tiny pair is free to take none)
     "specstream/trees": dict(mode="specstream", **STREAMED, speculative_topk=2,
-                             speculative_num_draft_tokens=8, num_speculative_tokens=4),
+                             speculative_num_draft_tokens=8, num_speculative_tokens=4,
+                             speculative_policy="fixed"),
     "specstream/host": dict(mode="specstream", **STREAMED, **FIXED, host_attention="auto"),
     "parallel-spec": dict(mode="parallel-spec", **STREAMED, **FIXED),
 }
