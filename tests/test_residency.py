@@ -257,3 +257,21 @@ def test_fill_admits_requests_whose_history_does_not_fit_on_the_device(tiny_targ
     assert m["max_concurrency"] == 4
     assert 0 < m["device_kv_utilization"] <= 1
     llm.close()
+
+
+def test_a_prompt_beside_verifications_moves_only_the_floor(tiny_target):
+    """A step that prefills a prompt while others verify: the verifications' new blocks come
+    out of the step's working room once, not twice (the prompt's room was cut by them, so the
+    shares kept a block free beyond each chunk, and every such step streamed a block over the
+    floor)."""
+    prompts = _prompts((300, 420, 360, 400, 380), seed=3)
+    llm = LLM(tiny_target, mode="specstream", residency="fill", device_kv_bytes=_budget(1200),
+              proposer="ngram", num_speculative_tokens=3, speculative_policy="fixed", **OFFLOAD)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    beside = [r for r in llm.engine.rounds if r.prefill_tokens and r.num_seqs > 1
+              and r.history_floor_bytes > 0]
+    llm.close()
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert len(beside) >= 3
+    assert all(r.history_bytes <= r.history_floor_bytes for r in beside), [
+        (r.prefill_tokens, r.history_bytes, r.history_floor_bytes) for r in beside]

@@ -155,16 +155,15 @@ class Scheduler:
 
     def _prefill_scratch(self) -> int:
         """Device blocks the step's prefill chunks write beyond their requests' own (the
-        chunks ``_batch`` takes, oldest prompts first) and a block of margin each, as the
-        admission's scratch has (without it the shares freed a block short and whole chunks
-        were cut to 896 tokens in the matrix's c01), at most the admission's scratch: a last
-        chunk of 56 tokens leaves no one 5 blocks short for room it does not use."""
+        chunks ``_batch`` takes, oldest prompts first), at most the admission's scratch: a
+        last chunk of 56 tokens leaves no one 5 blocks short for room it does not use. No
+        margin: a block kept free beyond the chunks is a block of history streamed."""
         budget, need = self.config.max_prefill_tokens, 0
         for r in self.running:
             if r.in_prefill and budget > 0:
                 take = min(r.num_tokens - r.num_computed_tokens, budget)
                 budget -= take
-                need += self.kv.device_blocks_needed(r.request_id, take) + 1
+                need += self.kv.device_blocks_needed(r.request_id, take)
         return min(need, self.admission.scratch_blocks)
 
     def _batch(self, group: int | None) -> list[SeqWork]:
@@ -181,11 +180,14 @@ class Scheduler:
         # a chunk at a time and every request decoding only after the last prompt is done.
         fcfs = iter([r for r in self.running if r.in_prefill])
         order = [next(fcfs) if r.in_prefill else r for r in order]
+        # the verifications allocated before a prompt took their blocks of the step's working
+        # room already (num_free counts them gone): the prompt leaves only the rest free
+        verified = 0
         for req in order:
             if req.in_prefill:
                 todo = req.num_tokens - 1 - req.num_computed_tokens
-                take = min(todo + 1, budget,
-                           self.admission.prefill_room(req, self.residency.step_room))
+                room = max(0, self.residency.step_room - verified)
+                take = min(todo + 1, budget, self.admission.prefill_room(req, room))
                 if take <= 0:
                     continue
                 budget -= take
@@ -196,6 +198,7 @@ class Scheduler:
                 continue  # its drafts are being made, or the other group verifies now
             else:
                 tokens, drafts, sample = [req.all_token_ids[-1]], list(req.draft_token_ids), True
+                verified += self.kv.device_blocks_needed(req.request_id, len(drafts) + 1)
             seqs.append(self._work(req, tokens, drafts, sample))
         return seqs
 
