@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specstream import LLM, SamplingParams
-from specstream.engine.sched.residency import Residency, survivors_first
+from specstream.engine.sched.residency import Residency
 from specstream.engine.sched.restore_room import RestoreRoom
 from specstream.kvcache.manager import KVManager
 from specstream.kvcache.residency import OffloadPolicy, residency_targets
@@ -114,14 +114,35 @@ def test_a_request_under_its_share_has_room_for_the_history_it_streams_this_step
     room = RestoreRoom(layers=2, guaranteed=2)
     residency = Residency(SimpleNamespace(block_size=16), kv, room)
     a = SimpleNamespace(request_id="a", in_prefill=False, prompt_token_ids=[0] * 90,
-                        draft_token_ids=[], params=SimpleNamespace(max_tokens=16),
-                        output_token_ids=[0] * 10, group=-1)
+                        draft_token_ids=[])
     residency.rebalance([a], scratch=0)
     assert kv.seqs["a"].target == 7  # the whole request fits its share now
     # 4 cold blocks, two layers of them in 2-layer pool blocks: 4 blocks of room
     assert residency.step_room == room.whole(4) == 4
     # and the free blocks beyond the step's room are what a prefill chunk may take
     assert kv.device.num_free - residency.step_room == 16 - 3 - 4
+
+
+def test_a_prompt_s_chunk_takes_the_scratch_not_a_share_as_well():
+    """A prompt being prefilled writes its next chunk into the step's scratch; its share holds
+    what it has written, not its whole prompt ahead of time (that counted the chunk twice, and
+    the others' shares were a chunk smaller: their cold blocks were read back later)."""
+    kv = _fill_manager()
+    kv.allocate("a", 100)
+    kv.commit("a", 100)  # 7 blocks on the device, written through
+    kv.plan_writeback("a")
+    kv.complete_writeback("a")
+    kv.allocate("b", 0)
+    residency = Residency(SimpleNamespace(block_size=16), kv, None)
+    a = SimpleNamespace(request_id="a", in_prefill=False, prompt_token_ids=[0] * 90,
+                        draft_token_ids=[])
+    b = SimpleNamespace(request_id="b", in_prefill=True, prompt_token_ids=[0] * 96,
+                        draft_token_ids=[])
+    residency.rebalance([a, b], scratch=6)  # b's chunk: its 96 tokens, 6 blocks
+    # 16 blocks less the chunk's 6 leave 10: all of a's 7 (with b's whole prompt counted in
+    # its share as well, a's was 5)
+    assert kv.seqs["a"].target == 7 and kv.seqs["b"].target == 0
+    assert kv.device.num_free >= 6
 
 
 # ---- the engine ---------------------------------------------------------------------------
@@ -276,42 +297,3 @@ def test_a_prompt_beside_verifications_moves_only_the_floor(tiny_target):
     assert len(beside) >= 3
     assert all(r.history_bytes <= r.history_floor_bytes for r in beside), [
         (r.prefill_tokens, r.history_bytes, r.history_floor_bytes) for r in beside]
-
-
-def test_the_room_beyond_the_floors_goes_in_the_order_given():
-    # floors 6 in all, 14 blocks more: the third request first (to its cap), then the first
-    assert residency_targets([2, 2, 2], [10, 10, 10], 20, order=[2, 0, 1]) == [8, 2, 10]
-    # a cost still lowers what is handed out (room for half of what streams): L blocks handed
-    # out fit while 6 + L + (24 - L) / 2 <= 20, so L = 4, all of it to the second request
-    cost = lambda t: -(-sum(10 - x for x in t) // 2)  # noqa: E731
-    assert residency_targets([2, 2, 2], [10, 10, 10], 20, cost, order=[1, 2, 0]) == [2, 6, 2]
-
-
-def test_survivors_first_ranks_by_the_tokens_left_then_the_latest_and_alternates_groups():
-    def req(left, group):
-        return SimpleNamespace(params=SimpleNamespace(max_tokens=300), group=group,
-                               output_token_ids=[0] * (300 - left))
-    # admission order a..e; e still prefills (no group)
-    reqs = [req(10, 0), req(100, 1), req(10, 1), req(12, 0), req(300, -1)]
-    # e (most left), then b; a, c, d end within one step of each other: latest admitted first,
-    # d (group 0) beside b (group 1), then c (1) beside a (0)
-    assert survivors_first(reqs) == [4, 1, 3, 2, 0]
-
-
-def test_the_next_to_finish_holds_least_so_its_room_is_not_read_back(tiny_target):
-    """Two long prompts, one asking for 8 tokens and one for 80: while both run, the one that
-    ends first gives the other the device room beyond its tail, so once it has finished the
-    other fits with nothing to read back (with equal shares, its cold half crossed the link in
-    the rounds after)."""
-    prompts = _prompts((480, 480), seed=4)
-    llm = LLM(tiny_target, mode="specstream", residency="fill", device_kv_bytes=_budget(720),
-              proposer="ngram", num_speculative_tokens=3, speculative_policy="fixed", **OFFLOAD)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 80)]
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    rounds = [r for r in llm.engine.rounds if not r.prefill_tokens]
-    llm.close()
-    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 80]
-    last_two = max(i for i, r in enumerate(rounds) if r.num_seqs == 2)
-    alone = rounds[last_two + 1 :]
-    assert len(alone) > 5 and sum(r.history_floor_bytes for r in rounds[:last_two]) > 0
-    assert sum(r.history_bytes for r in alone) == 0, [r.history_bytes for r in alone]

@@ -26,31 +26,20 @@ class OffloadPolicy:
 
 
 def residency_targets(floors: list[int], caps: list[int], capacity: int,
-                      cost: Callable[[list[int]], int] | None = None,
-                      order: list[int] | None = None) -> list[int]:
+                      cost: Callable[[list[int]], int] | None = None) -> list[int]:
     """Equal shares of ``capacity`` device blocks, by water-filling: request ``i`` gets
     ``max(floors[i], min(level, caps[i]))`` for the highest ``level`` whose total (plus
     ``cost(targets)``, the room the targets leave others needing) fits. A request that needs
     less than the level keeps all it needs; the rest share what is left equally. The floors
-    always hold (admission made room for them). ``order`` (indices, first served first):
-    instead of equal shares, the room beyond the floors goes to the requests in that order,
-    each up to its cap (``level`` then counts blocks handed out)."""
+    always hold (admission made room for them)."""
     def targets(level: int) -> list[int]:
-        if order is None:
-            return [max(f, min(level, c)) for f, c in zip(floors, caps)]
-        out = list(floors)
-        for i in order:
-            give = max(0, min(caps[i] - floors[i], level))
-            out[i] += give
-            level -= give
-        return out
+        return [max(f, min(level, c)) for f, c in zip(floors, caps)]
 
     def fits(level: int) -> bool:
         t = targets(level)
         return sum(t) + (cost(t) if cost is not None else 0) <= capacity
 
-    lo, hi = 0, (max(caps, default=0) if order is None
-                 else sum(max(0, c - f) for f, c in zip(floors, caps)))
+    lo, hi = 0, max(caps, default=0)
     if fits(hi):
         return targets(hi)
     while lo < hi:  # the highest level that fits (level 0 gives the floors)

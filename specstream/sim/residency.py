@@ -1,15 +1,14 @@
-"""The ``fill`` residency at datacenter scale, with the engine's own share function.
+"""The ``fill`` residency at datacenter scale, with the engine's own share rule.
 
 The device keeps the newest history of every running request, as much as fits; the host holds
 every request's full history (write-through), so only the older remainder crosses the link in a
-round. How the room is shared is the engine's ``kvcache.residency.residency_targets`` (what the
-scheduler's ``rebalance`` calls before every step), here with equal shares by water-filling: a
-request needing less than the level keeps all of its KV, nobody drops below its floor (its
-resident tail), and the room that restoring the rest takes (restore modes: two layers of it) is
-counted against the capacity. (The engine hands the room out by the tokens each request has
-left; in the simulator's steady state of alike requests both move the same bytes.) The
-simulator calls it in tokens instead of blocks (a block of one token: the datacenter model does
-not round to blocks) and turns the targets into the level that ``SimPolicy.cold_tokens`` reads.
+round. How the room is shared is the engine's ``kvcache.manager.residency_targets`` (what the
+scheduler's ``_rebalance`` calls before every step): equal shares by water-filling, a request
+needing less than the level keeps all of its KV, nobody drops below its floor (its resident
+tail), and the room that restoring the rest takes (restore modes: two layers of it) is counted
+against the capacity. The simulator calls it in tokens instead of blocks (a block of one token:
+the datacenter model does not round to blocks) and turns the targets into the level that
+``SimPolicy.cold_tokens`` reads.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Residency `fill`: the device blocks nobody reserved hold the running requests' newest history.
 
 Before each step ``rebalance`` shares them among the running requests as residency targets
-(``kvcache.residency.residency_targets``): beyond each request's floor the room goes to shared
-prefixes first, then to the requests furthest from their end (``survivors_first``), so that the
-blocks a finishing request leaves need no read-back for the others. A request over its target
-drops its oldest device blocks (they have host copies), one under it gets some of its streamed
-blocks promoted back as they pass (``promote``: no link bytes). `tail` keeps a fixed resident
-tail and needs none of this.
+(equal shares, ``kvcache.manager.residency_targets``): a request over its target drops its
+oldest device blocks (they have host copies), one under it gets some of its streamed blocks
+promoted back as they pass (``promote``: no link bytes). `tail` keeps a fixed resident tail and
+needs none of this.
 """
 
 from __future__ import annotations
@@ -20,8 +18,6 @@ from specstream.engine.request import Request
 from specstream.engine.sched.restore_room import RestoreRoom
 from specstream.kvcache.manager import BlockCopy, KVManager
 from specstream.kvcache.residency import residency_targets
-
-LEFT_STEP = 64  # tokens: requests whose ends are nearer than this rank by admission
 
 
 class Residency:
@@ -39,8 +35,7 @@ class Residency:
         """Share the device blocks among the running requests: each keeps at least its
         resident tail (and its blocks without a host copy); the rest of the pool, less this
         step's working room (``scratch`` blocks for prefill, the new tokens' blocks,
-        restore-mode room for the history that still streams), goes to the shares in
-        ``survivors_first`` order.
+        restore-mode room for the history that still streams), goes to equal shares.
 
         Hysteresis: a request over its share keeps its blocks until the step needs the room
         (then those furthest over drop their oldest, which have host copies); one under its
@@ -48,8 +43,8 @@ class Residency:
         (``promote``). A share that moves by a block for a step, or a request that comes and
         goes, moves no more blocks than the room it needs.
 
-        Prefix sharing: each distinct shared run takes a share, before any request's (once,
-        for all its sharers: ``kvcache/shared_device.py`` holds its oldest blocks on the device),
+        Prefix sharing: each distinct shared run takes a share as a request would (once, for
+        all its sharers: ``kvcache/shared_device.py`` holds its oldest blocks on the device),
         and a sharer's window holds only its own blocks. Returns the host-to-device copies of
         the shared blocks newly held, which the step makes first."""
         kv, bs = self.kv, self.config.block_size
@@ -62,7 +57,8 @@ class Residency:
         for r in reqs:
             seq = kv.seqs[r.request_id]
             blocks = seq.first + len(seq.device_blocks)
-            # a prompt's next chunk lands in the scratch (then its share holds it); a decoding
+            # a prompt's next chunk lands in the scratch (then its share holds it: counting
+            # its whole prompt here too kept a chunk's room from the others); a decoding
             # request's new tokens: its last one and the drafts it verifies
             if not r.in_prefill:
                 growth += kv.device_blocks_needed(r.request_id, len(r.draft_token_ids) + 1)
@@ -91,8 +87,7 @@ class Residency:
         whole = rr is None or sum(floors) + room(floors) <= pool
         cost = room if whole or rr is None else (
             lambda t, colds=None: min(room(t, colds), rr.guaranteed))
-        order = list(range(len(reqs), len(caps))) + survivors_first(reqs)  # runs first
-        targets = residency_targets(floors, caps, pool, cost if rr else None, order)
+        targets = residency_targets(floors, caps, pool, cost if rr else None)
         # this step streams more than the targets leave cold where a request holds less than
         # its share: it is promoted only as its cold blocks pass, so all of them cross the
         # link now (the room the prefill chunks leave must hold them)
@@ -144,24 +139,6 @@ class Residency:
             if short <= 0:
                 break
             short -= kv.drop(rid, min(short, kv.excess(rid)))
-
-
-def survivors_first(reqs: list[Request]) -> list[int]:
-    """Indices of ``reqs`` (in admission order) in the order the room beyond the floors goes
-    to them: the furthest from their end first (``max_tokens`` less the tokens made, in steps
-    of ``LEFT_STEP``; then the latest admitted), so the next to finish holds least and the room
-    it leaves is not read back for the others. The steps keep the order from flipping between
-    requests a round apart (each flip moves blocks from one to the other for nothing). The two
-    groups alternate in the order, so that each streams its part of the history."""
-    left = [(r.params.max_tokens - len(r.output_token_ids)) // LEFT_STEP for r in reqs]
-    ranked = sorted(range(len(reqs)), key=lambda i: (-left[i], -i))
-    rank = {i: k for k, i in enumerate(ranked)}
-    by = [[i for i in ranked if reqs[i].group == g] for g in (0, 1)]
-    out = [i for i in ranked if reqs[i].group not in (0, 1)]  # prefilling; one-group modes
-    for pair in zip(*by):
-        out += sorted(pair, key=rank.__getitem__)
-    n = min(map(len, by))
-    return out + by[0][n:] + by[1][n:]
 
 
 def _newest_on_link(work: SeqWork, cold: list[int], most: int) -> int:
