@@ -50,7 +50,16 @@ def test_the_steps_new_tokens_take_room_first():
 
 def test_a_request_not_in_the_step_takes_its_share_of_what_does_not_fit():
     # 4 requests of 3 blocks in 10 blocks: 2 of 12 blocks of history leave, a sixth of each
-    # request's; a step of 3 of them moves a sixth of their 9 (1.5: 1 whole block)
+    # request's; a step of 3 of them moves a sixth of their 9, a block and a half's bytes
     meter = _meter(10, {"a": 40, "b": 40, "c": 40, "d": 40})
-    assert _floor(meter, *(_seq(r, 40, 1) for r in "abc")) == BLOCK_BYTES
+    assert _floor(meter, *(_seq(r, 40, 1) for r in "abc")) == 3 * BLOCK_BYTES // 2
     assert _floor(meter, *(_seq(r, 40, 1) for r in "abcd")) == 2 * BLOCK_BYTES
+
+
+def test_two_groups_floors_add_up_to_what_does_not_fit():
+    # 4 requests of 3 blocks in 9: 3 blocks cannot be resident, and the two groups' rounds
+    # of a period move them between them. Each round's floor is half of them, not rounded to
+    # a whole block: rounded down, the two floors made 2, which no split of 3 reaches.
+    meter = _meter(9, {"a": 40, "b": 40, "c": 40, "d": 40})
+    halves = [_floor(meter, *(_seq(r, 40, 1) for r in group)) for group in ("ab", "cd")]
+    assert halves == [3 * BLOCK_BYTES // 2] * 2 and sum(halves) == 3 * BLOCK_BYTES

@@ -145,6 +145,25 @@ def test_a_prompt_s_chunk_takes_the_scratch_not_a_share_as_well():
     assert kv.device.num_free >= 6
 
 
+def test_a_split_round_keeps_room_only_for_the_group_it_verifies():
+    """The step's room holds the new tokens' blocks of the requests it verifies. In a split
+    round the other group drafts and writes nothing: room kept free for it is room of history
+    streamed (a block a round in the matrix's c01 at 128 tokens)."""
+    kv = _fill_manager(device_blocks=24)
+    for rid in "ab":
+        kv.allocate(rid, 96)
+        kv.commit(rid, 96)  # 6 full blocks each: the next token needs a new block
+        kv.plan_writeback(rid)
+        kv.complete_writeback(rid)
+    residency = Residency(SimpleNamespace(block_size=16), kv, None)
+    a, b = (SimpleNamespace(request_id=rid, in_prefill=False, prompt_token_ids=[0] * 90,
+                            draft_token_ids=[0, 0]) for rid in "ab")
+    residency.rebalance([a, b], scratch=0)  # every decoding request verifies
+    assert residency.step_room == 2
+    residency.rebalance([a, b], scratch=0, verified={"a"})  # b's group drafts
+    assert residency.step_room == 1
+
+
 # ---- the engine ---------------------------------------------------------------------------
 def _budget(tokens: int) -> int:
     """Device bytes for ``tokens`` tokens of the tiny target's KV and the staging ring (2 x 8

@@ -64,7 +64,10 @@ class StepMeter:
         unique = links * (self.store.block_bytes // layers)
         over = max(0, demand - num_blocks)
         share = min(1.0, over / history_held) if history_held else 0.0
-        floor = int(history * share) * self.store.block_bytes
+        # not rounded to whole blocks per step: a period of two groups' rounds whose history
+        # has an odd number of blocks over shares it half and half (rounding each half down
+        # put a block a period out of any split's reach)
+        floor = int(history * share * self.store.block_bytes)
         return floor, held / num_blocks if num_blocks else 0.0, unique
 
     def measure(self, plan: StepPlan, result: StepOutput) -> StepMeasures:

@@ -31,11 +31,13 @@ class Residency:
         # layers of the history did not fit beside the floors (None: they did, as they may)
         self.restore_room: int | None = None
 
-    def rebalance(self, running: list[Request], scratch: int) -> list[BlockCopy]:
+    def rebalance(self, running: list[Request], scratch: int,
+                  verified: Collection[str] | None = None) -> list[BlockCopy]:
         """Share the device blocks among the running requests: each keeps at least its
         resident tail (and its blocks without a host copy); the rest of the pool, less this
-        step's working room (``scratch`` blocks for prefill, the new tokens' blocks,
-        restore-mode room for the history that still streams), goes to equal shares.
+        step's working room (``scratch`` blocks for prefill, the new tokens' blocks of the
+        requests it verifies, ``verified``, None: every decoding one, restore-mode room for the
+        history that still streams), goes to equal shares.
 
         Hysteresis: a request over its share keeps its blocks until the step needs the room
         (then those furthest over drop their oldest, which have host copies); one under its
@@ -58,9 +60,10 @@ class Residency:
             seq = kv.seqs[r.request_id]
             blocks = seq.first + len(seq.device_blocks)
             # a prompt's next chunk lands in the scratch (then its share holds it: counting
-            # its whole prompt here too kept a chunk's room from the others); a decoding
-            # request's new tokens: its last one and the drafts it verifies
-            if not r.in_prefill:
+            # its whole prompt here too kept a chunk's room from the others); a verified
+            # request's new tokens: its last one and the drafts it verifies (in a split
+            # round the other group's are not written, and room kept for them streams)
+            if not r.in_prefill and (verified is None or r.request_id in verified):
                 growth += kv.device_blocks_needed(r.request_id, len(r.draft_token_ids) + 1)
             pinned = len(seq.device_blocks) - seq.droppable
             run = kv.shared.run_of(r.request_id) if kv.shared and seq.refs else 0

@@ -121,9 +121,6 @@ class Scheduler:
         est = est or Estimates()
         self._copies += self.admission.admit(self.waiting, self.running)
         self.max_concurrency = max(self.max_concurrency, len(self.running))
-        # prefill scratch only for a prompt admitted and prefilling: one still waiting cannot
-        # use it (admission just said so), and the shares make room the step it is admitted
-        self._copies += self.residency.rebalance(self.running, self._prefill_scratch())
         draft_s = None  # what drafting after a merged round would take, where sharing asks
         if self.shaper is not None and self.kv.duplicate_blocks():
             decoding = sum(not r.in_prefill for r in self.running)
@@ -131,7 +128,14 @@ class Scheduler:
         two = self.groups.split(est, self.running, self.kv, draft_s)
         self.drafts.choose_shape(self.running, two)
         verify_all = not two or self.groups.prefill_verifies_all(self.running, self.kv, est)
-        seqs = self._batch(None if verify_all else self.groups.to_verify(self.running))
+        group = None if verify_all else self.groups.to_verify(self.running)
+        # prefill scratch only for a prompt admitted and prefilling: one still waiting cannot
+        # use it (admission just said so), and the shares make room the step it is admitted;
+        # new blocks only for the requests this step verifies (a split round: one group)
+        self._copies += self.residency.rebalance(
+            self.running, self._prefill_scratch(),
+            {r.request_id for r in self.running if self._verifies(r, group)})
+        seqs = self._batch(group)
         if self.config.host_attends:
             per = max(1, self.kv.policy.chunk_tokens // self.config.block_size)
             seqs, share = split_steps(seqs, self.host_split, est, self.num_layers, per)
@@ -194,13 +198,19 @@ class Scheduler:
                 start = req.num_computed_tokens
                 tokens, drafts = req.all_token_ids[start : start + take], []
                 sample = start + take == req.num_tokens
-            elif req.needs_draft or (group is not None and req.group != group):
+            elif not self._verifies(req, group):
                 continue  # its drafts are being made, or the other group verifies now
             else:
                 tokens, drafts, sample = [req.all_token_ids[-1]], list(req.draft_token_ids), True
                 verified += self.kv.device_blocks_needed(req.request_id, len(drafts) + 1)
             seqs.append(self._work(req, tokens, drafts, sample))
         return seqs
+
+    @staticmethod
+    def _verifies(req: Request, group: int | None) -> bool:
+        """Whether a decoding request is verified in a step of ``group`` (None: every one)."""
+        return not (req.in_prefill or req.needs_draft
+                    or (group is not None and req.group != group))
 
     def _work(self, req: Request, tokens: list[int], drafts: list[int],
               sample: bool) -> SeqWork:
