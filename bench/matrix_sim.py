@@ -31,18 +31,26 @@ def link_rate(record: dict[str, Any]) -> float:
 def sources_of(records: list[dict[str, Any]], i: int, calibration: str) -> list[dict[str, Any]]:
     """The cells cell ``i``'s replay takes its step costs from, never itself: ``next``, the
     next cell of the selection; ``pair``, that cell and the first cell after it whose prompts
-    are of another length (a calibration pair: in one cell every request is of one length,
-    so a request's price and its context tokens' cannot be told apart, and a price fitted at
-    1K extrapolates to 6K at random)."""
+    are of another length and whose default run held another number of requests at once
+    (else the first of another length). A calibration pair: in one cell every request is of
+    one length, so a request's price and its context tokens' cannot be told apart, and a
+    price fitted at 1K extrapolates to 6K at random; and where both cells' rounds verified
+    three requests, a round's fixed price and its per-request price cannot be told apart
+    either (c04's replay, one request at a time, read a 21 ms constant off c05 and c06 and
+    predicted its 14 ms rounds at 30 ms)."""
     n = len(records)
     first = records[(i + 1) % n]
     if calibration == "next":
         return [first]
-    for k in range(2, n):
-        other = records[(i + k) % n]
-        if other["cell"]["context"] != first["cell"]["context"]:
-            return [first, other]
-    return [first]
+    others = [records[(i + k) % n] for k in range(2, n)]
+    others = [r for r in others if r["cell"]["context"] != first["cell"]["context"]]
+    spans = [r for r in others if _at_once(r) != _at_once(first)]
+    return [first, (spans or others)[0]] if others else [first]
+
+
+def _at_once(record: dict[str, Any]) -> int | None:
+    """The most requests the cell's default run held at once (None: not run)."""
+    return (record.get("_steps", {}).get("default") or {}).get("max_concurrency")
 
 
 def _merged_steps(sources: list[dict[str, Any]], name: str) -> dict[str, Any] | None:

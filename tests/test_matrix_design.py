@@ -169,7 +169,8 @@ def test_estimate_scales_with_the_measured_time() -> None:
 
 def test_the_calibration_pair_has_two_prompt_lengths_and_never_the_cell() -> None:
     """A cell's replay fits its costs on the next cell and the first after it whose prompts
-    are of another length (``--calibration pair``), or on the next alone (``next``)."""
+    are of another length (``--calibration pair``), or on the next alone (``next``); of
+    those, the first whose default run held another number of requests at once."""
     cells = [{"cell": {"name": c.name, "context": c.context}} for c in matrix.DESIGN]
     for i, cell in enumerate(cells):
         pair = matrix.sim.sources_of(cells, i, "pair")
@@ -178,6 +179,20 @@ def test_the_calibration_pair_has_two_prompt_lengths_and_never_the_cell() -> Non
         assert matrix.sim.sources_of(cells, i, "next") == [pair[0]]
     one_length = [{"cell": {"name": f"x{i}", "context": 1024}} for i in range(3)]
     assert len(matrix.sim.sources_of(one_length, 0, "pair")) == 1  # no other length to pair
+
+    def cell(name: str, context: int, at_once: int) -> dict:
+        return {"cell": {"name": name, "context": context},
+                "_steps": {"default": {"max_concurrency": at_once}}}
+
+    run = [cell("a", 1024, 1), cell("b", 3072, 3), cell("c", 6144, 3), cell("d", 1024, 1),
+           cell("e", 6144, 1)]
+    # for a: b, then c has another length but as many at once as b; d has both
+    assert [r["cell"]["name"] for r in matrix.sim.sources_of(run, 0, "pair")] == ["b", "d"]
+    # for d: e, then a has another length but as many at once as e; b has both
+    assert [r["cell"]["name"] for r in matrix.sim.sources_of(run, 3, "pair")] == ["e", "b"]
+    # without another count, the first of another length
+    same = [cell("a", 1024, 3), cell("b", 3072, 3), cell("c", 6144, 3)]
+    assert [r["cell"]["name"] for r in matrix.sim.sources_of(same, 0, "pair")] == ["b", "c"]
 
 
 def test_saved_steps_replay_to_the_same_figures(tmp_path: Path) -> None:

@@ -107,7 +107,7 @@ def test_a_draft_on_its_own_thread_hides_behind_the_wait_only() -> None:
     target's forward, so the step pays the part of the draft the link wait does not cover."""
     f = StepFeatures(query_tokens=10, attention_pairs=0, context_tokens=0, num_seqs=1,
                      draft_tokens=4, draft_seqs=1, history_bytes=0.0, units=0)
-    coef = (0.0, 1e-3, 0.0, 0.0, 0.0, 5e-3, 0.0, 0.0)  # target 10 ms, draft 20 ms
+    coef = (0.0, 1e-3, 0.0, 0.0, 0.0, 5e-3, 0.0, 0.0, 0.0)  # target 10 ms, draft 20 ms
     serial, overlapped = StepCost(coef), StepCost(coef, concurrent_draft=True)
     assert serial.seconds(f, 1e9)[0] == pytest.approx(0.030)
     assert overlapped.seconds(f, 1e9)[0] == pytest.approx(0.030)  # no wait: nothing hidden
@@ -118,13 +118,16 @@ def test_a_draft_on_its_own_thread_hides_behind_the_wait_only() -> None:
 
 def test_parallel_drafting_is_fitted_on_the_measured_draft_time() -> None:
     """A parallel mode's draft columns come from RoundStats.draft_s, and only what the wait
-    left exposed is taken off its compute: 2 ms a draft token, recovered exactly."""
-    def step(q: int, dt: int, wait: float) -> dict[str, float]:
+    left exposed is taken off its compute: 2 ms a draft token, recovered exactly (one and two
+    requests drafting, so a token and a draft forward are told apart)."""
+    def step(q: int, dt: int, seqs: int, wait: float) -> dict[str, float]:
         draft, target = 2e-3 * dt, 1e-3 * q
         return {"query_tokens": q, "context_tokens": 0, "attention_pairs": 0, "num_seqs": 1,
-                "draft_tokens": dt, "draft_seqs": 1 if dt else 0, "draft_s": draft,
-                "wait_s": wait, "compute_s": target + max(0.0, draft - wait)}
-    rounds = [step(q, dt, w) for q in (2, 5, 9) for dt in (0, 3, 8) for w in (0.0, 0.01)]
+                "draft_tokens": dt, "draft_seqs": seqs if dt else 0, "draft_s": draft,
+                "draft_levels": dt // seqs, "wait_s": wait,
+                "compute_s": target + max(0.0, draft - wait)}
+    rounds = [step(q, dt, s, w) for q in (2, 5, 9) for dt in (0, 4, 8) for s in (1, 2)
+              for w in (0.0, 0.01)]
     costs = fit_modes({"parallel-spec": {"rounds": rounds, "drafting": "parallel"}}, 1e9)
     c = costs["parallel-spec"]
     assert c.concurrent_draft
@@ -140,7 +143,7 @@ def test_compute_ratio_reads_how_much_slower_the_steps_ran_than_the_fit() -> Non
         return {"query_tokens": q, "context_tokens": 0, "attention_pairs": 0, "num_seqs": 1,
                 "draft_tokens": dt, "draft_seqs": 1 if dt else 0, "draft_s": draft,
                 "wait_s": wait, "compute_s": (1e-3 + 1e-3 * q) * scale + max(0.0, draft - wait)}
-    cost = StepCost((1e-3, 1e-3, 0.0, 0.0, 0.0, 2e-3, 0.0, 0.0))
+    cost = StepCost((1e-3, 1e-3, 0.0, 0.0, 0.0, 2e-3, 0.0, 0.0, 0.0))
     slow = [step(q, 1.25) for q in (1, 5, 40)]
     assert compute_ratio(cost, slow, 1e9) == pytest.approx(1.25)
     again = scaled(cost, 1.25)

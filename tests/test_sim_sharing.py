@@ -46,7 +46,7 @@ def _setup(mode: str, sharing: bool) -> ReplaySetup:
     return ReplaySetup(
         mode=mode, config=engine_config(SETTINGS, mode, prefix_sharing=sharing),
         geometry=GEOMETRY, prompts=((D_BLOCKS + 2) * BS,) * N, output_len=12,
-        acceptance=AcceptanceModel(alpha=0.5), cost=StepCost((1e-3,) + (0.0,) * 7),
+        acceptance=AcceptanceModel(alpha=0.5), cost=StepCost((1e-3,) + (0.0,) * 8),
         link_bw=1e9, shared_prefix=D_BLOCKS * BS)
 
 

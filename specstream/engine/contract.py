@@ -238,6 +238,13 @@ class StepOutput:
         rids = (request_id,) if request_id in plan.request_ids else plan.request_ids
         return cls(errors={rid: message for rid in rids})
 
+    def draft_levels(self) -> int:
+        """The draft forwards the step's drafts took: the deepest chain's length or tree's
+        depth (one forward a level, all requests together)."""
+        return max((DraftTree(tuple(d), tuple(self.draft_parents[rid])).depth
+                    if rid in self.draft_parents else len(d)
+                    for rid, d in self.drafts.items() if d), default=0)
+
 
 Writebacks = dict[str, list[tuple[int, int]]]  # request id -> (device block, host block) pairs
 

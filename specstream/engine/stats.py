@@ -44,6 +44,7 @@ class RoundStats:
     host_wait_s: float = 0.0  # time the round waited for the host's partials
     host_serial_s: float = 0.0  # device time of the round while the host had no job
     halves: int = 1  # the round ran in this many halves a layer apart (host attention)
+    draft_levels: int = 0  # the draft's forwards: its deepest chain's length or tree's depth
 
 
 @dataclass
@@ -143,7 +144,7 @@ class EngineStats:
             tree_nodes=sum(s.num_drafts for s in plan.seqs if s.parents),
             draft_fed_tokens=sum(d.unseen for d in plan.drafts if out.drafts.get(d.request_id)),
             host_bytes=m.host_bytes, host_busy_s=m.host_busy_s, host_wait_s=m.host_wait_s,
-            host_serial_s=m.host_serial_s, halves=m.halves)
+            host_serial_s=m.host_serial_s, halves=m.halves, draft_levels=out.draft_levels())
 
     def count_accepted(self, num_drafts: int, num_accepted: int, depth: int | None = None,
                        tree: bool = False) -> None:

@@ -61,8 +61,9 @@ from specstream.engine.contract import StepOutput, StepPlan
 from specstream.sim.calibrate import nnls
 
 FEATURES = ("const_s", "per_query_token_s", "per_attention_pair_s", "per_context_token_s",
-            "per_seq_s", "per_draft_token_s", "per_draft_seq_s", "per_draft_fed_token_s")
-DRAFT_COLUMNS = (5, 6, 7)  # the draft part of a step's compute
+            "per_seq_s", "per_draft_token_s", "per_draft_seq_s", "per_draft_fed_token_s",
+            "per_draft_level_s")
+DRAFT_COLUMNS = (5, 6, 7, 8)  # the draft part of a step's compute
 SHARED = (1, 2, 3, 4)  # the target's forward: the same in every mode (``fit_modes``)
 
 
@@ -81,10 +82,12 @@ class StepFeatures:
     writeback_bytes: float = 0.0  # device-to-host copies made right after the step (prefill)
     prefill_tokens: float = 0.0
     draft_fed_tokens: float = 0.0  # tokens the draft caught up on before drafting
+    draft_levels: float = 0.0  # the draft's forwards in the step: its deepest draft's depth
 
     def row(self) -> list[float]:
         return [1.0, self.query_tokens, self.attention_pairs, self.context_tokens,
-                self.num_seqs, self.draft_tokens, self.draft_seqs, self.draft_fed_tokens]
+                self.num_seqs, self.draft_tokens, self.draft_seqs, self.draft_fed_tokens,
+                self.draft_levels]
 
     @classmethod
     def of_record(cls, r: dict[str, Any]) -> StepFeatures:
@@ -93,10 +96,15 @@ class StepFeatures:
         pairs = r.get("attention_pairs")
         if pairs is None:  # files from before the field: one query block over the context
             pairs = q * ctx / max(1.0, float(r["num_seqs"]))
-        return cls(q, float(pairs), ctx, float(r["num_seqs"]), float(r.get("draft_tokens", 0)),
-                   float(r.get("draft_seqs", 0)), float(r.get("history_bytes", 0)),
+        tokens, seqs = float(r.get("draft_tokens", 0)), float(r.get("draft_seqs", 0))
+        levels = r.get("draft_levels")
+        if levels is None:  # files from before the field: chains of one depth a step
+            levels = math.ceil(tokens / seqs) if seqs else 0
+        return cls(q, float(pairs), ctx, float(r["num_seqs"]), tokens, seqs,
+                   float(r.get("history_bytes", 0)),
                    prefill_tokens=float(r.get("prefill_tokens", 0)),
-                   draft_fed_tokens=float(r.get("draft_fed_tokens", 0)))
+                   draft_fed_tokens=float(r.get("draft_fed_tokens", 0)),
+                   draft_levels=float(levels))
 
     @classmethod
     def of_step(cls, plan: StepPlan, out: StepOutput, link_bytes: int, layers: int,
@@ -126,7 +134,8 @@ class StepFeatures:
             draft_tokens=sum(len(d) for d in drafts), draft_seqs=len(drafts),
             history_bytes=float(link_bytes), units=units,
             prefill_tokens=sum(n for s, (_, n) in zip(plan.seqs, lens) if s.prefill),
-            draft_fed_tokens=sum(d.unseen for d in plan.drafts if out.drafts.get(d.request_id)))
+            draft_fed_tokens=sum(d.unseen for d in plan.drafts if out.drafts.get(d.request_id)),
+            draft_levels=out.draft_levels())
 
 
 @dataclass(frozen=True)
@@ -168,7 +177,8 @@ class StepCost:
                  "per_context_token_s": ("ns/context token", 1e9),
                  "per_seq_s": ("ms/request", 1e3), "per_draft_token_s": ("ms/draft token", 1e3),
                  "per_draft_seq_s": ("ms/drafting request", 1e3),
-                 "per_draft_fed_token_s": ("us/token the draft caught up on", 1e6)}
+                 "per_draft_fed_token_s": ("us/token the draft caught up on", 1e6),
+                 "per_draft_level_s": ("ms/draft forward", 1e3)}
         return " + ".join(f"{c * units[n][1]:.3g} {units[n][0]}"
                           for n, c in zip(FEATURES, self.coef, strict=True) if c > 1e-15)
 

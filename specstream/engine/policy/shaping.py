@@ -56,7 +56,6 @@ from specstream.engine.policy.round_shape import (
     choose,
 )
 from specstream.options import SpeculativePolicy
-from specstream.spec.token_tree import DraftTree
 
 # x1 of the verification fit: a round's history read, in these many tokens (not its request
 # count: a fit over request counts reads a short-context round's low cost as a cheap request)
@@ -197,9 +196,7 @@ class RoundShaper:
         step that also carried a prefill chunk teaches acceptance and the draft's cost, not
         the verification line."""
         drafted = {rid: d for rid, d in out.drafts.items() if d}
-        levels = max((DraftTree(tuple(d), tuple(out.draft_parents[rid])).depth
-                      if rid in out.draft_parents else len(d) for rid, d in drafted.items()),
-                     default=0)
+        levels = out.draft_levels()
         nodes = sum(len(d) for d in drafted.values())
         unseen = sum(w.unseen for w in plan.drafts if w.request_id in drafted)
         steps: list[float] = []
