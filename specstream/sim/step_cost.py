@@ -97,9 +97,8 @@ class StepFeatures:
         if pairs is None:  # files from before the field: one query block over the context
             pairs = q * ctx / max(1.0, float(r["num_seqs"]))
         tokens, seqs = float(r.get("draft_tokens", 0)), float(r.get("draft_seqs", 0))
-        levels = r.get("draft_levels")
-        if levels is None:  # files from before the field: chains of one depth a step
-            levels = math.ceil(tokens / seqs) if seqs else 0
+        # files from before the field: chains of one depth a step
+        levels = r.get("draft_levels", math.ceil(tokens / seqs) if seqs else 0)
         return cls(q, float(pairs), ctx, float(r["num_seqs"]), tokens, seqs,
                    float(r.get("history_bytes", 0)),
                    prefill_tokens=float(r.get("prefill_tokens", 0)),
@@ -132,10 +131,9 @@ class StepFeatures:
             query_tokens=plan.num_tokens, attention_pairs=sum(n * (p + n) for p, n in lens),
             context_tokens=sum(p + n for p, n in lens), num_seqs=len(plan.seqs),
             draft_tokens=sum(len(d) for d in drafts), draft_seqs=len(drafts),
-            history_bytes=float(link_bytes), units=units,
+            history_bytes=float(link_bytes), units=units, draft_levels=out.draft_levels(),
             prefill_tokens=sum(n for s, (_, n) in zip(plan.seqs, lens) if s.prefill),
-            draft_fed_tokens=sum(d.unseen for d in plan.drafts if out.drafts.get(d.request_id)),
-            draft_levels=out.draft_levels())
+            draft_fed_tokens=sum(d.unseen for d in plan.drafts if out.drafts.get(d.request_id)))
 
 
 @dataclass(frozen=True)
