@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--labels", default="A,B")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.out:  # made before the runs: a missing folder must not lose them at the end
+        args.out.parent.mkdir(parents=True, exist_ok=True)
     la, lb = args.labels.split(",")
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []

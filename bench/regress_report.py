@@ -171,6 +171,15 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[dict[str, Any]],
     return rows, notes
 
 
+def ratio_of(a: list[float], b: list[float]) -> str:
+    """B's median over A's, or what it is where A's median is 0 (a figure that can be 0, such
+    as bytes a round with nothing to move)."""
+    ma, mb = statistics.median(a), statistics.median(b)
+    if ma == 0:
+        return "equal (0)" if mb == 0 else "from 0"
+    return f"{mb / ma:.3f}"
+
+
 def format_comparison(rows: list[dict[str, Any]], notes: list[str]) -> str:
     def cell(values: list[Any]) -> str:
         if isinstance(values[0], bool):
@@ -184,8 +193,7 @@ def format_comparison(rows: list[dict[str, Any]], notes: list[str]) -> str:
         if "a" not in r:
             lines.append(f"| {r['figure']} | | | | | {r['verdict']} |")
             continue
-        ratio = ("" if r["better"] == TRUE else
-                 f"{statistics.median(r['b']) / statistics.median(r['a']):.3f}")
+        ratio = "" if r["better"] == TRUE else ratio_of(r["a"], r["b"])
         mark = "**WORSE**" if r["verdict"] == "worse" else r["verdict"]
         lines.append(f"| {r['figure']} | {r['better']} | {cell(r['a'])} | {cell(r['b'])} | "
                      f"{ratio} | {mark} |")

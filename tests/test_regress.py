@@ -91,6 +91,20 @@ def test_one_outlier_repeat_does_not_flag_a_figure():
         "link_bound.trees_over_offload_spec"] == "worse"
 
 
+def test_a_figure_that_is_zero_in_both_compares_as_equal():
+    """Bytes a round can be 0 on both sides (nothing to move): the table says so, not a
+    division by zero; from 0 to more is worse where lower is better."""
+    zero = {**A, "sharing.bytes_on_over_off": [0.0, 0.0, 0.0]}
+    rows, notes = regress.compare(_report(zero), _report(zero))
+    table = regress.format_comparison(rows, notes)
+    assert "| sharing.bytes_on_over_off | lower |" in table
+    assert "equal (0)" in table and "WORSE" not in table
+    rows, notes = regress.compare(_report(zero),
+                                  _report({**zero, "sharing.bytes_on_over_off": [0.1, 0.1, 0.1]}))
+    table = regress.format_comparison(rows, notes)
+    assert "from 0" in table and "**WORSE**" in table
+
+
 def test_reports_of_other_workloads_are_noted():
     _, notes = regress.compare(_report(A), _report(A, sizes={"link_bound": [1024, 4, 16]}))
     assert notes and "different workloads" in notes[0]
