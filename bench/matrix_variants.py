@@ -1,0 +1,82 @@
+"""A matrix cell's default against variants of it (EngineConfig fields changed), alternating
+in one process: what a lever the default lacks would give, before it is built.
+
+    PYTHONPATH=. python bench/matrix_variants.py --cells c11,c03 \\
+        --variant tail128:resident_tail_tokens=128 --variant tail256:resident_tail_tokens=256
+
+Per run: output tok/s, decode-only tok/s, requests at once, mean accepted tokens a round,
+history MB a round, and a hash of the greedy outputs (every variant must give the default's).
+Values parse as Python literals (``128``, ``"off"``, ``None``)."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """``name:field=value,field=value`` -> (name, {field: value})."""
+    name, _, body = text.partition(":")
+    if not name or not body:
+        raise ValueError(f"--variant {text!r}: expected NAME:FIELD=VALUE[,FIELD=VALUE]")
+    fields = {}
+    for item in body.split(","):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"--variant {text!r}: {item!r} is not FIELD=VALUE")
+        try:
+            fields[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            fields[key.strip()] = value.strip()
+    return name, fields
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cells", required=True)
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--output-len", type=int, default=32)
+    args = ap.parse_args(argv)
+    variants = [("default", {})] + [parse_variant(v) for v in args.variant]
+    spec = importlib.util.spec_from_file_location("matrix", HERE / "matrix.py")
+    assert spec is not None and spec.loader is not None
+    m = importlib.util.module_from_spec(spec)
+    sys.modules["matrix"] = m
+    spec.loader.exec_module(m)
+    from specstream.bench.runner import BenchSettings, workload_kv_bytes
+    from specstream.llm import LLM
+
+    cells = {c.name: c for c in m.DESIGN}
+    for name in args.cells.split(","):
+        cell = cells[name]
+        work = m.workload_of(cell, args.output_len)
+        budget = int(cell.budget * workload_kv_bytes(work, BenchSettings()))
+        probe = LLM(mode="resident", device="cpu")
+        prompts = m.make_prompts(cell, work, probe.tokenizer,
+                                 probe.engine.model_config.vocab_size)
+        probe.close()
+        base = m.configs(budget, cell.link_gbps, ())["default"]
+        for rep in range(args.repeats):
+            for label, extra in variants:
+                res, tokens, _ = m.run_one({**base, **extra}, work, prompts, cell.link_gbps)
+                sha = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:12]
+                print(f"{name} {label} run {rep + 1}: {res['output_tokens_per_s']:.1f} tok/s, "
+                      f"decode-only {res['decode_only_tokens_per_s']:.1f}, "
+                      f"{res['max_concurrency']} at once, accepted "
+                      f"{res['mean_accepted_len']:.2f}, "
+                      f"{res['link_bytes_per_round'] / 1e6:.1f} MB a round, outputs {sha}",
+                      flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
