@@ -204,6 +204,29 @@ def test_auto_policy_and_trees_run_through_the_scheduler() -> None:
     assert max(f.query_tokens for f in run.records if not f.prefill_tokens) == 27
 
 
+def test_the_replay_counts_waves_of_the_ring_the_engine_built(monkeypatch) -> None:
+    """A budget whose half cannot hold the configured ring narrows its waves
+    (``staging_ring``: eight requests a wave become two); the replay's steps move history in
+    the built ring's waves, not the configured ones."""
+    import specstream.sim.replay as replay_module
+
+    base = setups(json.loads(BENCH_A.read_text()))["specstream"]
+    config = engine_config(SETTINGS, "specstream", wave_requests=8,
+                           device_kv_bytes=16 * 2**20)
+    built = build(config, base.geometry).layout.wave_requests
+    assert built < config.wave_requests
+    seen = []
+    of_step = StepFeatures.of_step
+
+    def spy(plan, out, link_bytes, layers, history, wave_requests):
+        seen.append(wave_requests)
+        return of_step(plan, out, link_bytes, layers, history, wave_requests)
+
+    monkeypatch.setattr(replay_module.StepFeatures, "of_step", spy)
+    replay(replace(base, config=config))
+    assert seen and set(seen) == {built}
+
+
 def test_restore_all_ablation_is_slower_than_layer_prefetch() -> None:
     s = setups(json.loads(BENCH_B.read_text()))["offload-spec"]
     layered = replay_mean(s, 4).result

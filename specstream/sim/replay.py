@@ -124,7 +124,8 @@ def replay(s: ReplaySetup, seed: int = 0, record: bool = False) -> ReplayRun:
         admitted = max(admitted, len(sched.running))
         link_bytes = eng.link_bytes(plan)  # before the step changes what lives where
         out = worker.run(plan)
-        f = StepFeatures.of_step(plan, out, link_bytes, layers, s.history, cfg.wave_requests)
+        f = StepFeatures.of_step(plan, out, link_bytes, layers, s.history,
+                                 eng.layout.wave_requests)  # as the ring was built
         update = sched.update(plan, out)
         if update.writebacks:  # a prefill chunk's blocks, copied right after the step
             f = replace(f, writeback_bytes=sum(len(p) for p in update.writebacks.values())
