@@ -152,6 +152,20 @@ def make_prompts(cell: Cell, workload: Any, tokenizer: Any, vocab: int,
     return [ids[i * stride : i * stride + cell.context] for i in range(workload.num_requests)]
 
 
+def cell_inputs(cell: Cell, output_len: int) -> tuple[Any, int, int, list[list[int]]]:
+    """A cell's workload, its KV bytes, its device budget (``cell.budget`` of them) and its
+    prompts (tokenized with the target's tokenizer)."""
+    from specstream.bench.runner import BenchSettings, workload_kv_bytes
+    from specstream.llm import LLM
+
+    work = workload_of(cell, output_len)
+    kv = workload_kv_bytes(work, BenchSettings())
+    probe = LLM(mode="resident", device="cpu")  # the tokenizer and vocabulary of the target
+    prompts = make_prompts(cell, work, probe.tokenizer, probe.engine.model_config.vocab_size)
+    probe.close()
+    return work, kv, int(cell.budget * kv), prompts
+
+
 def configs(budget: int, link_gbps: float, grid: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """Name -> LLM keywords of every run of a cell but the resident reference."""
     facts = dict(mode="specstream", device="cpu", device_kv_bytes=budget, link_gbps=link_gbps)
@@ -185,15 +199,9 @@ def run_cell(cell: Cell, index: int, output_len: int, grid: tuple[str, ...], log
     ``confirm``: then that many fresh runs each of the default and of the best fixed point
     (``confirm_best``)."""
     from specstream.bench.floors import ComputeModel, add_floors
-    from specstream.bench.runner import BenchSettings, resident_fit_bytes, workload_kv_bytes
-    from specstream.llm import LLM
+    from specstream.bench.runner import BenchSettings, resident_fit_bytes
 
-    work = workload_of(cell, output_len)
-    kv = workload_kv_bytes(work, BenchSettings())
-    budget = int(cell.budget * kv)
-    probe = LLM(mode="resident", device="cpu")  # the tokenizer and vocabulary of the target
-    prompts = make_prompts(cell, work, probe.tokenizer, probe.engine.model_config.vocab_size)
-    probe.close()
+    work, kv, budget, prompts = cell_inputs(cell, output_len)
     ref_kw = dict(mode="resident", device="cpu", speculative_policy="fixed",
                   num_speculative_tokens=4,
                   device_kv_bytes=resident_fit_bytes(work, BenchSettings()))

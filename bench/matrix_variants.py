@@ -52,18 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     m = importlib.util.module_from_spec(spec)
     sys.modules["matrix"] = m
     spec.loader.exec_module(m)
-    from specstream.bench.runner import BenchSettings, workload_kv_bytes
-    from specstream.llm import LLM
-
     cells = {c.name: c for c in m.DESIGN}
+    unknown = [n for n in args.cells.split(",") if n not in cells]
+    if unknown:
+        ap.error(f"no cell {', '.join(unknown)}; the matrix's cells: {', '.join(cells)}")
     for name in args.cells.split(","):
         cell = cells[name]
-        work = m.workload_of(cell, args.output_len)
-        budget = int(cell.budget * workload_kv_bytes(work, BenchSettings()))
-        probe = LLM(mode="resident", device="cpu")
-        prompts = m.make_prompts(cell, work, probe.tokenizer,
-                                 probe.engine.model_config.vocab_size)
-        probe.close()
+        work, _, budget, prompts = m.cell_inputs(cell, args.output_len)
         base = m.configs(budget, cell.link_gbps, ())["default"]
         for rep in range(args.repeats):
             for label, extra in variants:

@@ -33,20 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     matrix = importlib.util.module_from_spec(spec)
     sys.modules["matrix"] = matrix
     spec.loader.exec_module(matrix)
-    from specstream.bench.runner import BenchSettings, workload_kv_bytes
     from specstream.engine.policy import shaping
-    from specstream.llm import LLM
 
     cells = {c.name: c for c in matrix.DESIGN}
     if args.cell not in cells:
         ap.error(f"no cell {args.cell!r}; the matrix's cells: {', '.join(cells)}")
     cell = cells[args.cell]
-    work = matrix.workload_of(cell, args.output_len)
-    budget = int(cell.budget * workload_kv_bytes(work, BenchSettings()))
-    probe = LLM(mode="resident", device="cpu")
-    prompts = matrix.make_prompts(cell, work, probe.tokenizer,
-                                  probe.engine.model_config.vocab_size)
-    probe.close()
+    work, _, budget, prompts = matrix.cell_inputs(cell, args.output_len)
 
     original = shaping.RoundShaper.shape
     lines: list[tuple[Any, ...]] = []
