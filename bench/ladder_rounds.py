@@ -1,6 +1,8 @@
 """The ladder's default against its control, alternating, with what their decode rounds did.
 
     PYTHONPATH=. python bench/ladder_rounds.py [--passes 2] [-- bench flags, e.g. --link-gbps 0.5]
+    PYTHONPATH=. python bench/ladder_rounds.py --variant tree16:speculative_policy=fixed,\
+        num_speculative_tokens=8,speculative_topk=4,speculative_num_draft_tokens=16
 
 `specstream bench --preset link-bound --ladder` runs each step once; this runs only the
 default (`specstream`, no options) and the control (`offload-spec` given the same options) in
@@ -8,7 +10,10 @@ turn, ``--passes`` times each, on the preset's workload (other `specstream bench
 ``--``), and prints per run the decode rounds' means: requests verified, tree nodes and tokens
 emitted per request, wall / compute / draft / link-wait ms, the draft's forwards, the bytes
 the host attended and the link carried. The accepted-tokens target compares the two rows'
-``acc``; the rows' round shapes say why they differ."""
+``acc``; the rows' round shapes say why they differ. With ``--variant`` the default runs
+against `specstream` variants of itself instead of the control (a Step field such as
+``speculative_topk``, or any EngineConfig field), e.g. a fixed larger tree: what the shapes the
+policy passes over would give."""
 
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ from collections import Counter
 from typing import Any
 
 from specstream.bench import cli
-from specstream.bench.ladder import CONTROL, DEFAULT, LADDER
+from bench.matrix_variants import parse_variant
+from specstream.bench.ladder import CONTROL, DEFAULT, LADDER, Step
 from specstream.bench.runner import run_compared, run_reference
 
 
@@ -45,10 +51,22 @@ def summary(res: dict[str, Any]) -> str:
             f"    (requests, tree nodes): rounds {shapes}")
 
 
+def variant_step(name: str, fields: dict[str, Any]) -> Step:
+    """The default step with ``fields`` changed: Step's own fields directly, the rest as
+    EngineConfig fields."""
+    base = LADDER[DEFAULT]
+    own = {k: v for k, v in fields.items() if k in Step.__dataclass_fields__}
+    extra = {k: v for k, v in fields.items() if k not in own}
+    params = {k: getattr(base, k) for k in Step.__dataclass_fields__}
+    params.update(own, name=name, extra={**base.extra, **extra})
+    return Step(**params)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--preset", default="link-bound")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE")
     ap.add_argument("bench_flags", nargs="*", help="after --: more `specstream bench` flags")
     args = ap.parse_args(argv)
     parser = argparse.ArgumentParser()
@@ -57,9 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     cli.apply_preset(bench)
     workload = cli.resolve_workload(bench)
     settings = cli.settings_from(bench)
+    steps = [LADDER[DEFAULT]]
+    steps += ([variant_step(*parse_variant(v)) for v in args.variant] if args.variant
+              else [LADDER[CONTROL]])
     _, ref = run_reference(workload, settings)
     for i in range(args.passes):
-        for step in (LADDER[DEFAULT], LADDER[CONTROL]):
+        for step in steps:
             res = run_compared(step.mode, workload, step.settings(settings), ref)
             print(f"[pass {i + 1}] {step.name}: {summary(res)}; outputs match "
                   f"{res['outputs_match_reference']}", flush=True)

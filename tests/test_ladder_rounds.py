@@ -30,3 +30,16 @@ def test_summary_counts_decode_rounds_only():
     assert "6.0 nodes and 2.33 tokens a request" in text
     assert "wall 70.0 ms" in text and "host 3.0 MB and link 1.0 MB" in text
     assert "((2, 12), 1), ((4, 24), 1)" in text and "(1, 0)" not in text
+
+
+def test_variant_step_changes_the_default_only_where_asked():
+    step = ladder_rounds.variant_step("tree16", {"speculative_policy": "fixed",
+                                                 "speculative_topk": 4,
+                                                 "resident_tail_tokens": 128})
+    default = ladder_rounds.LADDER[ladder_rounds.DEFAULT]
+    assert step.name == "tree16" and step.mode == default.mode == "specstream"
+    assert step.speculative_policy == "fixed" and step.speculative_topk == 4
+    # a field the step does not carry goes to the engine's config
+    assert step.extra == {"resident_tail_tokens": 128}
+    assert step.host_attention == default.host_attention
+    assert step.num_speculative_tokens == default.num_speculative_tokens
