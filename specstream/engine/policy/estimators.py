@@ -163,3 +163,16 @@ def _solve2(a11: float, a12: float, a22: float, r1: float, r2: float) -> tuple[f
     if abs(det) <= 1e-300:
         return 0.0, r2 / a22 if a22 else 0.0
     return (r1 * a22 - a12 * r2) / det, (a11 * r2 - a12 * r1) / det
+
+
+def below_rate(hits: float, tries: float, rate: float, level: float = 0.05) -> bool:
+    """Whether ``hits`` in ``tries`` (decayed counts, rounded) are so few that a rate of
+    ``rate`` gives as few less than ``level`` of the time (the binomial tail P(X <= hits))."""
+    n, k = round(tries), round(hits)
+    if n <= 0 or not 0.0 < rate < 1.0 or k >= n * rate:
+        return False
+    term = tail = (1.0 - rate) ** n  # P(X = 0)
+    for i in range(k):
+        term *= (n - i) / (i + 1) * rate / (1.0 - rate)
+        tail += term
+    return tail < level

@@ -13,22 +13,21 @@ depth in nodes up to ``max_nodes``. Tree rounds teach it acceptance by rank (whi
 children the target took). Pure Python: it sees numbers, never tensors.
 
 Probing and exploration: until a verified round has had drafts, rounds draft half the allowed
-depth for one request (acceptance and the draft's cost); then the model decides. Where it would
-have requests catch up a room's worth of tokens or more, a cost the link does not hide and
-drafting never takes back, it decides on the observations alone (the prior worth one), and
-until there are as many as the prior is worth, the probe's request drafts on. Steps that carry
-a prefill chunk teach acceptance, the link time and the draft's cost, not the verification
-fit. History read and query positions are priced apart (a request's history is read once
-however many positions attend it; its price is per token of history, so a round at a short
-context does not pass for a cheap request): where the rounds seen so far do not tell them
-apart (rounds that differed in request count, not in depth), a query position is priced as a
-prefill token of the target (``prior_position``, measured on prefill steps), and before any
-prefill was measured every query position is taken to cost alike (cautious where compute
-decides, moot where the link does). While the choice is 0 nothing is drafted and nothing new is
-learnt about acceptance, so every ``explore_every``-th decision drafts one token for one
-request (the cheapest probe; it also gives the verification line a second size). Probes and
-explorations draft for one request of the step only (``probing``): a request's first drafts
-make the draft prefill its window, which is wasted wherever speculation turns out not to pay.
+depth for one request; then the model decides. Where it would have requests catch up a room's
+worth of tokens or more (a cost the link does not hide and drafting never takes back), it
+decides on the observations alone (the prior worth one), and until there are as many as the
+prior is worth, the probe's request drafts on. Where the first candidate's hits reject the
+prior's rate (5%, one-sided: a draft that misses, as on random ids), every decision reads the
+data alone. Prefill steps teach acceptance, the link time and the draft's cost, not the
+verification fit. History read and query positions are priced apart (a request's history is
+read once however many positions attend it, priced per token, so a round at a short context
+does not pass for a cheap request); where the rounds do not tell them apart (they differed in
+request count, not depth), a query position is priced as a prefill token of the target
+(``prior_position``), and before any prefill every query position costs alike. While the
+choice is 0 nothing is learnt about acceptance, so every ``explore_every``-th decision drafts
+one token for one request (the cheapest probe; it also gives the verification line a second
+size). Probes and explorations draft for one request of the step only (``probing``): a
+request's first drafts make the draft prefill its window, wasted where speculation does not pay.
 
 Catching up: before drafting, a draft model feeds the tokens it has not seen (a request that
 never drafted: its sinks and window). The scheduler counts them per request, divided by the
@@ -47,7 +46,7 @@ from dataclasses import dataclass, field
 
 from specstream.config import EngineConfig
 from specstream.engine.contract import StepOutput, StepPlan
-from specstream.engine.policy.estimators import Ewma, LineFit, PlaneFit
+from specstream.engine.policy.estimators import Ewma, LineFit, PlaneFit, below_rate
 from specstream.engine.policy.round_shape import (
     AcceptanceEstimate,
     HostCosts,
@@ -60,9 +59,8 @@ from specstream.options import SpeculativePolicy
 # x1 of the verification fit: a round's history read, in these many tokens (not its request
 # count: a fit over request counts reads a short-context round's low cost as a cheap request)
 HISTORY_UNIT = 1024
-# The reference implementation's choices of q, 3 between them (on the embedded pair a chain
-# of 3 verifies nearly as fast as one of 2: `bench/policy_replay.py`), and twice the largest
-# for link-bound rounds.
+# The reference implementation's choices of q, 3 between them (a chain of 3 verifies nearly as
+# fast as one of 2: `bench/policy_replay.py`), and twice the largest for link-bound rounds.
 DEPTHS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 
 
@@ -86,8 +84,7 @@ class RoundShaper:
     history_per_request: float = 1.0  # a request's x1: the last round's, or as ``shape`` is told
     prefill_token_s: Ewma = field(default_factory=Ewma)  # the target's prefill, per token
     draft: LineFit = field(default_factory=LineFit)  # a draft forward over its nodes
-    # a drafting round over its forwards (x1) and nodes (x2): its fixed part comes apart
-    # where rounds of more than one depth were seen (``draft_coef``)
+    # a drafting round over its forwards and nodes (its fixed part: ``draft_coef``)
     draft_round: PlaneFit = field(default_factory=PlaneFit)
     decisions: int = 0
     chosen: dict[int, int] = field(default_factory=dict)  # depth -> rounds it was chosen
@@ -99,14 +96,14 @@ class RoundShaper:
     explored_at: int = 0  # the decision of the last exploration that ran
     explore_share: float = 0.05  # of the time between explorations, the most one may cost
     # The draft's time per token it catches up on: measured on steps whose drafting was mostly
-    # catching up; before, a prior (``prior_catch_up``)
+    # catching up (their seconds and tokens, decayed sums); before, ``prior_catch_up``
     catch_up_token_s: float = 0.0
-    # measured catching up (none yet: 0): seconds, tokens (decayed sums)
     catch_up_fed_s: float = 0.0
     catch_up_fed: float = 0.0
-    # host_attention auto (observe_host): a verified request's cold bytes per round, the
-    # link's rate and the host's costs; None while the host has no share
+    # host_attention auto (observe_host): a verified request's cold bytes per round, the link's
+    # rate, the host's costs; None while the host has no share
     host: tuple[float, float, HostCosts] | None = None
+    _led: AcceptanceEstimate | None = None  # the data alone (_acceptance), until an observation
 
     @classmethod
     def for_config(cls, config: EngineConfig) -> RoundShaper | None:
@@ -148,8 +145,7 @@ class RoundShaper:
         if verified or tree_walks or query_tokens:  # it verified requests
             self.link_s = 0.7 * self.link_s + 0.3 * link_s if self.link_seen else link_s
             self.link_seen = True
-            self.seen_drafts = (self.seen_drafts or any(n for n, _ in verified)
-                                or any(tree_walks))
+            self.seen_drafts = self.seen_drafts or any(n for n, _ in verified) or any(tree_walks)
         if query_tokens:
             requests = len(verified) + len(tree_walks) if num_requests is None else num_requests
             reads = (max(1, requests) if history_tokens is None
@@ -166,6 +162,7 @@ class RoundShaper:
                 self.acceptance.observe_chain(num_drafts, accepted)
         for walk in tree_walks:
             self.acceptance.observe_walk(walk)
+        self._led = None
 
     def explore_now(self, catch_up_tokens: int, num_requests: int,
                     rounds_left: float | None = None) -> bool:
@@ -266,6 +263,14 @@ class RoundShaper:
         no draft forward measured yet)."""
         return self.costs().draft_s(shape, num_requests) if self.draft.n else None
 
+    def _acceptance(self) -> AcceptanceEstimate:
+        """What a decision reads: the data alone where they reject the prior (``below_rate``)."""
+        a = self.acceptance
+        if not below_rate(a.hits[0] if a.hits else 0.0, a.observed(), self.prior_acceptance):
+            return a
+        self._led = self._led or a.data_led()
+        return self._led
+
     def shape(self, num_requests: int, catch_up: float = 0.0,
               history_tokens: int | None = None) -> Shape:
         """The drafts' shape for the next round of ``num_requests`` verified requests (whose
@@ -280,14 +285,13 @@ class RoundShaper:
         if not self.seen_drafts or self.draft.n == 0:
             pick, self.probing = Shape(max(1, self.max_depth // 2)), True
         else:
-            n, costs = max(1, num_requests), self.costs(catch_up)
-            pick = choose(self.candidates, n, costs, self.acceptance, self.drafting)
+            n, costs, acc = max(1, num_requests), self.costs(catch_up), self._acceptance()
+            pick = choose(self.candidates, n, costs, acc, self.drafting)
             if pick.depth and catch_up >= 1 and costs.setup_shows(pick, n, self.drafting):
-                if self.acceptance.observed() < self.prior_weight:  # a room's worth: on data
+                if acc is self.acceptance and acc.observed() < self.prior_weight:  # on data
                     pick, self.probing = Shape(max(1, self.max_depth // 2)), True
                 else:
-                    pick = choose(self.candidates, n, costs, self.acceptance.data_led(),
-                                  self.drafting)
+                    pick = choose(self.candidates, n, costs, acc.data_led(), self.drafting)
             elif pick.depth == 0 and self.decisions % self.explore_every == 0:
                 pick, self.probing = Shape(1), True
                 self.exploring = True
