@@ -23,8 +23,8 @@ import sys
 from collections import Counter
 from typing import Any
 
-from specstream.bench import cli
 from bench.matrix_variants import parse_variant
+from specstream.bench import cli
 from specstream.bench.ladder import CONTROL, DEFAULT, LADDER, Step
 from specstream.bench.runner import run_compared, run_reference
 
