@@ -117,7 +117,8 @@ def test_everyones_catching_up_is_decided_on_the_rounds_not_on_the_prior():
     pays for every request's catching up; the probe's request, caught up already, misses
     every draft. Until its rounds are as many observations as the prior is worth, the shape
     stays its probe; then they decide alone: no speculation, where the prior-weighted
-    estimate (0.29 after eight misses) would still have everyone catch up. Where the rounds
+    estimate (0.29 after eight misses) would still have everyone catch up; with less than a
+    room to catch up, the misses reject the prior's rate and the data decide too. Where the rounds
     match three drafts in four, everyone drafts. Where the draft runs in the link's gaps
     (``specstream``), the link hides that catching up and the prior decides as before."""
     for outcomes, drafts, drafting in ((((2, 0),), False, "sequential"),
@@ -143,4 +144,6 @@ def test_everyones_catching_up_is_decided_on_the_rounds_not_on_the_prior():
         assert not shaper.probing and (pick.depth > 0) == drafts, pick
         prior_led = choose(shaper.candidates, 4, shaper.costs(1.0), shaper.acceptance)
         assert prior_led.depth > 0  # what the prior-weighted estimate would have done
-        assert shaper.shape(4, catch_up=0.5).depth > 0  # less than a room: as before
+        # less than a room: the estimate decides, and eight misses in a row reject the prior's
+        # rate (below_rate), so the data decide there too; three hits in four do not
+        assert (shaper.shape(4, catch_up=0.5).depth > 0) == drafts

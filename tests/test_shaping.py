@@ -3,7 +3,6 @@ outputs stay exact whatever it picks."""
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -13,7 +12,6 @@ from helpers import capture_plans
 from specstream import LLM, SamplingParams
 from specstream.config import EngineConfig
 from specstream.engine.llm_engine import LLMEngine
-from specstream.engine.policy.estimators import below_rate
 from specstream.engine.policy.round_shape import Shape
 from specstream.engine.policy.shaping import RoundShaper
 
@@ -351,34 +349,6 @@ def test_a_draft_that_never_matches_is_read_as_missing_within_a_few_rounds():
                        chains, walks)
     assert picks[0] > 0  # the first round probes
     assert picks[4:] == [0] * 12, picks
-
-
-def test_below_rate_is_the_binomial_tail():
-    for rate in (0.3, 0.6, 0.75):
-        for n in range(1, 25):
-            for k in range(n + 1):
-                tail = sum(math.comb(n, i) * rate**i * (1 - rate) ** (n - i)
-                           for i in range(k + 1))
-                expected = k < n * rate and tail < 0.05
-                assert below_rate(k, n, rate) == expected, (k, n, rate)
-    assert below_rate(0, 4, 0.6) and not below_rate(0, 3, 0.6)  # 0.026 and 0.064
-    assert below_rate(0.4, 3.6, 0.6)  # decayed counts are rounded: 0 in 4
-    assert not below_rate(0, 0, 0.6) and not below_rate(5, 40, 1.0)
-
-
-def test_a_draft_that_matches_keeps_its_prior_and_its_depth():
-    """A draft at the prior's rate (0.6, text): its hits do not reject the prior, decisions
-    read the estimate with its prior, and a link-bound round keeps drafting deep; the same
-    rounds at 0.1 (random ids) reject it and stop drafting."""
-    good = RoundShaper(max_depth=16, drafting="gaps")
-    _feed(good, 40, link_s=0.8, verify=(0.005, 0.0002), draft=(0.004, 0.0001), accept=0.6)
-    assert good._acceptance() is good.acceptance
-    assert good.shape(8).depth >= 4
-    bad = RoundShaper(max_depth=16, drafting="sequential")
-    _feed(bad, 40, link_s=0.0, verify=(0.01, 0.004), draft=(0.01, 0.004), accept=0.1)
-    assert bad._acceptance() is not bad.acceptance
-    assert bad._acceptance().pooled(0) < 0.2
-    assert [bad.shape(8).depth for _ in range(8)].count(0) >= 7
 
 
 def test_the_catch_up_rate_weighs_a_whole_prompt_above_a_few_tokens():

@@ -71,9 +71,8 @@ class RoundShaper:
     max_topk: int = 1  # speculative_topk: trees of this branching allowed when > 1
     max_nodes: int = 0  # speculative_num_draft_tokens: a tree's node budget at most
     prior_acceptance: float = 0.6  # per-token acceptance before any round is seen
-    # ... worth this many observations: few, so that a draft that misses (random ids, one
-    # observation a round) is read as missing within ten rounds (twenty took forty); not
-    # fewer, so that one unlucky round does not talk a tree out of a depth that pays
+    # ... worth this many observations: few, so that a draft that misses is read as missing
+    # soon (twenty took forty rounds); not fewer, lest one unlucky round end a tree that pays
     prior_weight: float = 8.0
     explore_every: int = 32
     acceptance: AcceptanceEstimate = field(init=False)
@@ -103,7 +102,7 @@ class RoundShaper:
     # host_attention auto (observe_host): a verified request's cold bytes per round, the link's
     # rate, the host's costs; None while the host has no share
     host: tuple[float, float, HostCosts] | None = None
-    _led: AcceptanceEstimate | None = None  # the data alone (_acceptance), until an observation
+    _led: tuple[AcceptanceEstimate, tuple[float, float], AcceptanceEstimate] | None = None
 
     @classmethod
     def for_config(cls, config: EngineConfig) -> RoundShaper | None:
@@ -162,7 +161,6 @@ class RoundShaper:
                 self.acceptance.observe_chain(num_drafts, accepted)
         for walk in tree_walks:
             self.acceptance.observe_walk(walk)
-        self._led = None
 
     def explore_now(self, catch_up_tokens: int, num_requests: int,
                     rounds_left: float | None = None) -> bool:
@@ -266,10 +264,12 @@ class RoundShaper:
     def _acceptance(self) -> AcceptanceEstimate:
         """What a decision reads: the data alone where they reject the prior (``below_rate``)."""
         a = self.acceptance
-        if not below_rate(a.hits[0] if a.hits else 0.0, a.observed(), self.prior_acceptance):
+        stamp = (a.hits[0] if a.hits else 0.0, a.observed())
+        if not below_rate(*stamp, self.prior_acceptance):
             return a
-        self._led = self._led or a.data_led()
-        return self._led
+        if self._led is None or self._led[0] is not a or self._led[1] != stamp:
+            self._led = (a, stamp, a.data_led())  # kept while nothing is observed
+        return self._led[2]
 
     def shape(self, num_requests: int, catch_up: float = 0.0,
               history_tokens: int | None = None) -> Shape:
