@@ -13,13 +13,9 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
-import importlib.util
 import json
 import sys
-from pathlib import Path
 from typing import Any
-
-HERE = Path(__file__).resolve().parent
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
@@ -47,11 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=32)
     args = ap.parse_args(argv)
     variants = [("default", {})] + [parse_variant(v) for v in args.variant]
-    spec = importlib.util.spec_from_file_location("matrix", HERE / "matrix.py")
-    assert spec is not None and spec.loader is not None
-    m = importlib.util.module_from_spec(spec)
-    sys.modules["matrix"] = m
-    spec.loader.exec_module(m)
+    from bench import matrix as m  # the checkout's (PYTHONPATH=.)
+
     cells = {c.name: c for c in m.DESIGN}
     unknown = [n for n in args.cells.split(",") if n not in cells]
     if unknown:

@@ -106,8 +106,7 @@ class RoundShaper:
 
     @classmethod
     def for_config(cls, config: EngineConfig) -> RoundShaper | None:
-        """The policy of ``speculative_policy="auto"`` for ``config`` (None: fixed, or no
-        speculation)."""
+        """The policy of ``speculative_policy="auto"`` (None: fixed, or no speculation)."""
         if not (config.speculative and config.policy is SpeculativePolicy.AUTO):
             return None
         return cls(config.q, config.mode_spec.drafting, config.topk, config.num_draft_tokens)
@@ -228,8 +227,7 @@ class RoundShaper:
         self.verify.prior_b2 = self.prefill_token_s.add(token_s)
 
     def prior_catch_up(self, token_s: float) -> None:
-        """The engine's estimate of the draft's time per token caught up on, used until a
-        step measures it."""
+        """The engine's estimate of the draft's time a token caught up on, until one is measured."""
         if not self.catch_up_fed:
             prior = self.catch_up_token_s
             self.catch_up_token_s = 0.7 * prior + 0.3 * token_s if prior else token_s
@@ -249,26 +247,28 @@ class RoundShaper:
                           draft_round_s=df, draft_setup_s=self._catch_up_s(catch_up), **host)
 
     def draft_coef(self) -> tuple[float, float, float]:
-        """A drafting round's seconds: once, per forward, per node. Rounds of one depth do not
-        tell the first two apart, and there every second is a forward's (never a deeper
-        chain priced under what its forwards measured)."""
+        """A drafting round's seconds: once, per forward, per node (where rounds of one depth
+        do not tell the first two apart, every second is a forward's)."""
         if self.draft_round.moved(1):
             return self.draft_round.coef()
         return (0.0, *self.draft.coef())
 
     def draft_s(self, shape: Shape, num_requests: int) -> float | None:
-        """The draft forwards of ``shape`` for ``num_requests`` requests, as measured (None:
-        no draft forward measured yet)."""
+        """The draft forwards of ``shape`` for ``num_requests`` requests (None: none measured)."""
         return self.costs().draft_s(shape, num_requests) if self.draft.n else None
 
     def _acceptance(self) -> AcceptanceEstimate:
         """What a decision reads: the data alone where they reject the prior (``below_rate``)."""
         a = self.acceptance
+        hits = a.hits[0] if a.hits else 0.0
+        return self._data_led() if below_rate(hits, a.observed(), self.prior_acceptance) else a
+
+    def _data_led(self) -> AcceptanceEstimate:
+        """``acceptance.data_led()``, kept while nothing is observed."""
+        a = self.acceptance
         stamp = (a.hits[0] if a.hits else 0.0, a.observed())
-        if not below_rate(*stamp, self.prior_acceptance):
-            return a
         if self._led is None or self._led[0] is not a or self._led[1] != stamp:
-            self._led = (a, stamp, a.data_led())  # kept while nothing is observed
+            self._led = (a, stamp, a.data_led())
         return self._led[2]
 
     def shape(self, num_requests: int, catch_up: float = 0.0,
@@ -291,7 +291,7 @@ class RoundShaper:
                 if acc is self.acceptance and acc.observed() < self.prior_weight:  # on data
                     pick, self.probing = Shape(max(1, self.max_depth // 2)), True
                 else:
-                    pick = choose(self.candidates, n, costs, acc.data_led(), self.drafting)
+                    pick = choose(self.candidates, n, costs, self._data_led(), self.drafting)
             elif pick.depth == 0 and self.decisions % self.explore_every == 0:
                 pick, self.probing = Shape(1), True
                 self.exploring = True
