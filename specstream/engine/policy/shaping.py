@@ -30,13 +30,12 @@ size). Probes and explorations draft for one request of the step only (``probing
 request's first drafts make the draft prefill its window, wasted where speculation does not pay.
 
 Catching up: before drafting, a draft model feeds the tokens it has not seen (a request that
-never drafted: its sinks and window). The scheduler counts them per request, divided by the
-tokens the request may still generate (and a prompt's whose last prefill chunk the step takes),
-and that share of the draft's time per token caught up on (measured on steps that mostly caught
-up; before, the target's prefill time per token scaled by the draft's share of the parameters)
-counts in every drafting round, times the tokens E a request gets from it: room / E rounds
-share the cost. An exploration is skipped where its catching up would cost more than
-``explore_share`` of the rounds it can serve.
+never drafted: its sinks and window). The scheduler counts them per request over the tokens it
+may still generate (a prompt's too, where the step takes its last prefill chunk); that share of
+the draft's time per token caught up on (measured on steps that mostly caught up; before, the
+target's prefill time per token scaled by the draft's share of the parameters) counts in every
+drafting round, times the tokens E a request gets from it: room / E rounds share the cost. An
+exploration is skipped where catching up costs over ``explore_share`` of the rounds it serves.
 """
 
 from __future__ import annotations
@@ -287,8 +286,9 @@ class RoundShaper:
         else:
             n, costs, acc = max(1, num_requests), self.costs(catch_up), self._acceptance()
             pick = choose(self.candidates, n, costs, acc, self.drafting)
-            if pick.depth and catch_up >= 1 and costs.setup_shows(pick, n, self.drafting):
-                if acc is self.acceptance and acc.observed() < self.prior_weight:  # on data
+            if (pick.depth and catch_up >= 1 and acc is self.acceptance
+                    and costs.setup_shows(pick, n, self.drafting)):  # decided on data alone
+                if acc.observed() < self.prior_weight:
                     pick, self.probing = Shape(max(1, self.max_depth // 2)), True
                 else:
                     pick = choose(self.candidates, n, costs, self._data_led(), self.drafting)
