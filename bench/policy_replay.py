@@ -54,9 +54,9 @@ def _run_cell(cell_name: str, out_len: int, depths: itertools.cycle) -> dict:
     choose, observe_step = shaping.choose, shaping.RoundShaper.observe_step
     prior_position = shaping.RoundShaper.prior_position
 
-    def record_prefill(self, token_s):  # type: ignore[no-untyped-def]
+    def record_prefill(self, token_s, tokens=0):  # type: ignore[no-untyped-def]
         prefill.append(token_s)
-        return prior_position(self, token_s)
+        return prior_position(self, token_s, tokens)
 
     def record(self, plan, out, link_s, verify_s, draft_s, prefill):  # type: ignore[no-untyped-def]
         done = [s for s in plan.seqs if s.sample and s.request_id in out.new_tokens]

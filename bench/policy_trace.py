@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                       round(c.verify_per_position_s * 1e3, 3),
                       round(c.verify_per_request_s * 1e3, 2), round(c.draft_setup_s * 1e3, 2),
                       round(c.draft_level_s * 1e3, 2), round(c.link_s * 1e3, 1), self.probing,
-                      round(self.acceptance.pooled(0), 3), round(self.catch_up_token_s * 1e3, 4)))
+                      round(self.acceptance.pooled(0), 3), round(self.catch_up.token_s * 1e3, 4)))
         return pick
 
     shaping.RoundShaper.shape = shape  # type: ignore[method-assign]

@@ -125,7 +125,7 @@ def test_everyones_catching_up_is_decided_on_the_rounds_not_on_the_prior():
                                        (((2, 2), (2, 1)), True, "sequential"),
                                        (((2, 0),), True, Drafting.GAPS)):
         shaper = RoundShaper(max_depth=4, drafting=drafting)
-        shaper.prior_catch_up(0.0001)  # 0.1 ms a token
+        shaper.catch_up.prior(0.0001)  # 0.1 ms a token
         for _ in range(60):  # the costs, at 0.7 a token (that acceptance is reset below)
             q = shaper.shape(4).depth
             shaper.observe(0.030, 0.010 + 0.0005 * 4 * (q + 1), 4 * (q + 1), [4] * q,

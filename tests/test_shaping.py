@@ -230,7 +230,7 @@ def test_drafting_pays_for_the_drafts_catching_up():
     """Drafting's one-off cost (the draft feeding tokens it has not seen, per token the
     requests still generate) counts against drafting; a cheap catch-up does not stop it."""
     shaper = RoundShaper(max_depth=4, drafting="sequential", prior_acceptance=0.7)
-    shaper.prior_catch_up(0.0001)  # 0.1 ms a token
+    shaper.catch_up.prior(0.0001)  # 0.1 ms a token
     _drafting_pays_a_little(shaper)
     assert shaper.shape(4, catch_up=0.0).depth > 0
     assert shaper.shape(4, catch_up=4.0).depth > 0  # 0.4 ms a round
@@ -241,16 +241,16 @@ def test_a_step_that_mostly_catches_up_measures_the_catch_up_not_the_forwards():
     from specstream.engine.contract import DraftWork, StepOutput, StepPlan
 
     shaper = RoundShaper(max_depth=4, drafting="sequential")
-    shaper.prior_catch_up(1e-5)
+    shaper.catch_up.prior(1e-5)
     work = DraftWork("r", (1,) * 1000, 4, room=100, params=GREEDY, after_verify=False,
                      unseen=1000)
     out = StepOutput()
     out.drafts["r"] = [5, 6, 7, 8]
     shaper.observe_step(StepPlan((), (work,)), out, 0.0, 0.0, 0.104, prefill=True)
-    assert shaper.catch_up_fed > 0 and shaper.catch_up_token_s == pytest.approx(1.04e-4)
+    assert shaper.catch_up.fed > 0 and shaper.catch_up.token_s == pytest.approx(1.04e-4)
     assert shaper.draft.n == 0  # the draft line did not see a 26 ms "forward"
-    shaper.prior_catch_up(1e-5)  # a prior no longer replaces a measurement
-    assert shaper.catch_up_token_s == pytest.approx(1.04e-4)
+    shaper.catch_up.prior(1e-5)  # a prior no longer replaces a measurement
+    assert shaper.catch_up.token_s == pytest.approx(1.04e-4)
     # a warm request's drafting: the forwards, less the little catching up, feed the line
     warm = DraftWork("r", (1,) * 1006, 4, room=96, params=GREEDY, after_verify=False,
                      unseen=2)
@@ -365,13 +365,13 @@ def test_the_catch_up_rate_weighs_a_whole_prompt_above_a_few_tokens():
     small = DraftWork("r", (1,) * 64, 2, room=32, params=GREEDY, after_verify=False,
                       unseen=64)
     shaper.observe_step(StepPlan((), (small,)), out, 0.0, 0.0, 0.0058, prefill=True)
-    assert shaper.catch_up_token_s == pytest.approx(0.0058 / 64)
+    assert shaper.catch_up.token_s == pytest.approx(0.0058 / 64)
     out.drafts["r"] = [5, 6, 7, 8]
     whole = DraftWork("r", (1,) * 1024, 4, room=32, params=GREEDY, after_verify=False,
                       unseen=1024)
     shaper.observe_step(StepPlan((), (whole,)), out, 0.0, 0.0, 0.0631, prefill=True)
-    assert shaper.catch_up_token_s == pytest.approx((0.7 * 0.0058 + 0.0631) / (0.7 * 64 + 1024))
-    assert shaper.catch_up_token_s < 0.064 / 1000
+    assert shaper.catch_up.token_s == pytest.approx((0.7 * 0.0058 + 0.0631) / (0.7 * 64 + 1024))
+    assert shaper.catch_up.token_s < 0.064 / 1000
 
 
 def test_the_rounds_left_count_the_waiting_requests_and_not_the_finished():

@@ -10,6 +10,7 @@ target's prefill time per token where they do not.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -211,3 +212,27 @@ def test_one_round_of_more_positions_does_not_read_a_position_as_free() -> None:
     for q in (4, 1, 2, 8, 0, 3) * 3:
         fit.add(history, 1 + q, 0.012 + 0.001 * q + rng.gauss(0, 1e-3))
     assert fit.coef()[2] == pytest.approx(0.001, rel=0.2)
+
+
+def test_no_round_is_priced_below_its_positions_at_the_compute_bound_prefill_rate() -> None:
+    """A roofline: rounds of five requests with 5 or 9 query positions took the same time
+    (memory-bound: a forward of a few tokens reads the weights once), so the fit priced a
+    position at nothing and a tree of 32 nodes for each of the five (165 positions) as free;
+    its prefill of 1,024-token chunks says 165 tokens take 66 ms. Short chunks (memory-bound
+    too) set no floor."""
+    shaper = RoundShaper(8, "sequential", max_topk=4, max_nodes=32)
+    for positions in (5, 9, 5, 9, 5, 9):
+        shaper.observe(0.0, 0.025, positions, [5.0], 0.001, [(4, 2)] * 5, num_requests=5)
+    tree = Shape(4, topk=4, nodes=32)
+    free = shaper.costs().round_s(tree, 5, "sequential")
+    assert free < 0.03  # the fit alone: 165 positions for the price of five (and 4 ms drafts)
+    shaper.prior_position(0.0004, 1024)
+    costs = shaper.costs()
+    assert costs.verify_floor_per_position_s == pytest.approx(0.0004)
+    assert costs.round_s(tree, 5, "sequential") >= 165 * 0.0004
+    # rounds of few positions keep the fit's price: the floor binds only past it
+    assert costs.round_s(Shape(0), 5, "sequential") == pytest.approx(
+        replace(costs, verify_floor_per_position_s=0.0).round_s(Shape(0), 5, "sequential"))
+    short = RoundShaper(8, "sequential")
+    short.prior_position(0.002, 16)  # a last chunk of 16 tokens, memory-bound: no floor
+    assert short.costs().verify_floor_per_position_s == 0.0

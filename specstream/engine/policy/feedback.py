@@ -120,8 +120,9 @@ class RoundFeedback:
         if shaper is None:
             return
         if m.prefill_tokens:
-            shaper.prior_catch_up(m.compute_s / m.prefill_tokens * self.draft_share)
-            shaper.prior_position(max(0.0, m.compute_s - m.draft_s) / m.prefill_tokens)
+            shaper.catch_up.prior(m.compute_s / m.prefill_tokens * self.draft_share)
+            shaper.prior_position(max(0.0, m.compute_s - m.draft_s) / m.prefill_tokens,
+                                  m.prefill_tokens)
         if m.decode:
             # verification: the time neither blocked on the link (nor on the host's partials)
             # nor drafting

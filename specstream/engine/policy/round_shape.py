@@ -224,7 +224,6 @@ class HostCosts:
 @dataclass
 class RoundCosts:
     """Seconds a round's parts take, as the engine last measured them (EWMA)."""
-
     link_s: float = 0.0  # the round's history over the link
     verify_base_s: float = 0.0  # verification: fixed part
     verify_per_position_s: float = 0.0  # ... per query position (all requests)
@@ -232,19 +231,20 @@ class RoundCosts:
     draft_level_s: float = 0.0  # one draft forward: fixed part
     draft_per_node_s: float = 0.0  # ... and per node drafted in it (all requests)
     draft_round_s: float = 0.0  # ... and once a round (the first forward feeds the accepted)
-    # drafting's one-off cost, the draft catching up on tokens it has not seen, spread over
-    # the rounds that follow: per round and per token a request gets from it (``tokens``)
-    draft_setup_s: float = 0.0
+    # the draft catching up on tokens it has not seen, spread over the rounds that follow: per
+    draft_setup_s: float = 0.0  # round and per token a request gets from it (``tokens``)
     # host_attention "auto": a verified request's cold history per round, the link's rate, the
-    # host's seconds per byte (fixed part, per query position of a request) and the device
-    # time the host idles per round; with a host cost, the round's history takes the split
-    # that lets link and host finish together (engine/sched/host_split.py), which depends on the
-    # shape: a tree's query positions slow the host
+    # host's seconds per byte (fixed part, per query position of a request) and the device time
+    # the host idles per round; the history takes the split that lets link and host finish
+    # together (sched/host_split.py), which depends on the shape (query positions slow the host)
     cold_bytes: float = 0.0
     link_bps: float = 0.0
     host_s_per_byte: float = 0.0
     host_s_per_byte_per_position: float = 0.0
     host_serial_s: float = 0.0
+    # a roofline: N positions take N prefill tokens' time at least (a line fitted on rounds of
+    # a few positions, memory-bound, priced 165 as free in c01)
+    verify_floor_per_position_s: float = 0.0
 
     def history_s(self, shape: Shape, num_requests: int) -> float:
         """The round's time on its cold history: over the link, or split with the host."""
@@ -271,8 +271,8 @@ class RoundCosts:
         from it (what the catching up charged to it scales with: ``draft_setup_s``)."""
         link = self.history_s(shape, num_requests)
         positions = num_requests * (1 + shape.num_nodes)
-        verify = (self.verify_base_s + self.verify_per_request_s * num_requests
-                  + self.verify_per_position_s * positions)
+        verify = max(self.verify_base_s + self.verify_per_request_s * num_requests + positions
+                     * self.verify_per_position_s, self.verify_floor_per_position_s * positions)
         draft = self.draft_s(shape, num_requests, tokens)
         if drafting is Drafting.GAPS:
             return max(link, verify + draft)

@@ -14,28 +14,22 @@ children the target took). Pure Python: it sees numbers, never tensors.
 
 Probing and exploration: until a verified round has had drafts, rounds draft half the allowed
 depth for one request; then the model decides. Where it would have requests catch up a room's
-worth of tokens or more (a cost the link does not hide and drafting never takes back), it
-decides on the observations alone (the prior worth one), and until there are as many as the
-prior is worth, the probe's request drafts on. Where the first candidate's hits reject the
-prior's rate (5%, one-sided: a draft that misses, as on random ids), every decision reads the
-data alone. Prefill steps teach acceptance, the link time and the draft's cost, not the
-verification fit. History read and query positions are priced apart (a request's history is
-read once however many positions attend it, priced per token, so a round at a short context
-does not pass for a cheap request); where the rounds do not tell them apart (they differed in
-request count, not depth), a query position is priced as a prefill token of the target
-(``prior_position``), and before any prefill every query position costs alike. While the
-choice is 0 nothing is learnt about acceptance, so every ``explore_every``-th decision drafts
-one token for one request (the cheapest probe; it also gives the verification line a second
-size). Probes and explorations draft for one request of the step only (``probing``): a
-request's first drafts make the draft prefill its window, wasted where speculation does not pay.
+worth of tokens or more (a cost the link does not hide), it decides on the observations alone
+(the prior worth one), and until there are as many as the prior is worth, the probe's request
+drafts on. Where the first candidate's hits reject the prior's rate (5%, one-sided: a draft
+that misses, as on random ids), every decision reads the data alone. Prefill steps teach
+acceptance, the link time and the draft's cost, not the verification fit. History read and
+query positions are priced apart (a request's history is read once however many positions
+attend it); where the rounds do not tell them apart (they differed in request count, not
+depth), a query position is priced as a prefill token of the target (``prior_position``).
+While the choice is 0, every ``explore_every``-th decision drafts one token for one request
+(the cheapest probe; it also gives the verification line a second size). Probes and
+explorations draft for one request of the step only (``probing``): a request's first drafts
+make the draft prefill its window, wasted where speculation does not pay.
 
-Catching up: before drafting, a draft model feeds the tokens it has not seen (a request that
-never drafted: its sinks and window). The scheduler counts them per request over the tokens it
-may still generate (a prompt's too, where the step takes its last prefill chunk); that share of
-the draft's time per token caught up on (measured on steps that mostly caught up; before, the
-target's prefill time per token scaled by the draft's share of the parameters) counts in every
-drafting round, times the tokens E a request gets from it: room / E rounds share the cost. An
-exploration is skipped where catching up costs over ``explore_share`` of the rounds it serves.
+What else a round costs: the draft's catching up on what it has not seen (``catch_up.py``),
+what drafting leaves the rounds after it (``plain.py``), and at least a prefill token's time a
+query position however cheap the rounds seen so far made one (``compute_token_s``).
 """
 
 from __future__ import annotations
@@ -45,7 +39,9 @@ from dataclasses import dataclass, field
 
 from specstream.config import EngineConfig
 from specstream.engine.contract import StepOutput, StepPlan
+from specstream.engine.policy.catch_up import CatchUp
 from specstream.engine.policy.estimators import Ewma, LineFit, PlaneFit, below_rate
+from specstream.engine.policy.plain import PlainRounds
 from specstream.engine.policy.round_shape import (
     AcceptanceEstimate,
     HostCosts,
@@ -61,6 +57,7 @@ HISTORY_UNIT = 1024
 # The reference implementation's choices of q, 3 between them (a chain of 3 verifies nearly as
 # fast as one of 2: `bench/policy_replay.py`), and twice the largest for link-bound rounds.
 DEPTHS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
+FLOOR_TOKENS = 256  # a prefill chunk this long is compute-bound: its time a token is a floor
 
 
 @dataclass
@@ -81,6 +78,7 @@ class RoundShaper:
     verify: PlaneFit = field(default_factory=PlaneFit)
     history_per_request: float = 1.0  # a request's x1: the last round's, or as ``shape`` is told
     prefill_token_s: Ewma = field(default_factory=Ewma)  # the target's prefill, per token
+    compute_token_s: Ewma = field(default_factory=Ewma)  # ... of chunks of FLOOR_TOKENS or more
     draft: LineFit = field(default_factory=LineFit)  # a draft forward over its nodes
     # a drafting round over its forwards and nodes (its fixed part: ``draft_coef``)
     draft_round: PlaneFit = field(default_factory=PlaneFit)
@@ -93,14 +91,11 @@ class RoundShaper:
     exploring: bool = False  # ... one made while the choice is no speculation
     explored_at: int = 0  # the decision of the last exploration that ran
     explore_share: float = 0.05  # of the time between explorations, the most one may cost
-    # The draft's time per token it catches up on: measured on steps whose drafting was mostly
-    # catching up (their seconds and tokens, decayed sums); before, ``prior_catch_up``
-    catch_up_token_s: float = 0.0
-    catch_up_fed_s: float = 0.0
-    catch_up_fed: float = 0.0
+    catch_up: CatchUp = field(default_factory=CatchUp)  # the draft's time a token unseen
     # host_attention auto (observe_host): a verified request's cold bytes per round, the link's
     # rate, the host's costs; None while the host has no share
     host: tuple[float, float, HostCosts] | None = None
+    plain: PlainRounds = field(default_factory=PlainRounds)  # no speculation's own price
     _led: tuple[AcceptanceEstimate, tuple[float, float], AcceptanceEstimate] | None = None
 
     @classmethod
@@ -172,13 +167,10 @@ class RoundShaper:
         since = min(max(self.explore_every, self.decisions - self.explored_at),
                     float("inf") if rounds_left is None else rounds_left)
         rounds = since * self.costs().round_s(Shape(0), max(1, num_requests), self.drafting)
-        if self._catch_up_s(catch_up_tokens) > self.explore_share * rounds:
+        if self.catch_up.seconds(catch_up_tokens) > self.explore_share * rounds:
             return False
         self.explored_at = self.decisions
         return True
-
-    def _catch_up_s(self, tokens: float) -> float:
-        return self.catch_up_token_s * tokens
 
     def observe_step(self, plan: StepPlan, out: StepOutput, link_s: float, verify_s: float,
                      draft_s: float, prefill: bool) -> None:
@@ -196,21 +188,22 @@ class RoundShaper:
         if unseen > 4 * nodes:
             df, da, db = self.draft_coef()
             forwards = df + levels * da + db * nodes if self.draft.n else 0.0
-            # by tokens: a few tokens' feed keeps forwards an unmeasured draft line cannot
-            # take off (c01: 64 read 0.091 ms a token, a 1,024-token prompt 0.062)
-            self.catch_up_fed_s = 0.7 * self.catch_up_fed_s + max(0.0, draft_s - forwards)
-            self.catch_up_fed = 0.7 * self.catch_up_fed + unseen
-            self.catch_up_token_s = self.catch_up_fed_s / self.catch_up_fed
+            self.catch_up.measure(draft_s - forwards, unseen)
         elif levels:
-            draft_s = max(0.0, draft_s - self.catch_up_token_s * unseen)
+            draft_s = max(0.0, draft_s - self.catch_up.seconds(unseen))
             steps = [nodes / levels] * levels
         done = [s for s in plan.seqs if s.sample and s.request_id in out.new_tokens]
+        history = sum(s.start_pos for s in plan.seqs)
+        if done and not prefill:  # what drafting cost it (plain.py), off what the fit reads
+            va, vr, vb = self.verify.coef()
+            verify_s = self.plain.observe(bool(drafted) or draft_s > 0, verify_s, va + vr
+                                          * history / HISTORY_UNIT + vb * plan.num_tokens,
+                                          self.decisions)
         chains = [(s.num_drafts, len(out.new_tokens[s.request_id]) - 1) for s in done
                   if s.request_id not in out.tree_ranks]
         walks = [out.tree_ranks[s.request_id] for s in done if s.request_id in out.tree_ranks]
         self.observe(link_s, verify_s, 0 if prefill else plan.num_tokens, steps, draft_s,
-                     chains, walks, num_requests=len(plan.seqs),
-                     history_tokens=sum(s.start_pos for s in plan.seqs))
+                     chains, walks, num_requests=len(plan.seqs), history_tokens=history)
 
     def observe_host(self, cold_bytes: float, link_bps: float, cost: HostCosts | None) -> None:
         """After a decode round with host attention on: a verified request's cold history,
@@ -220,16 +213,13 @@ class RoundShaper:
                                         or cost.seconds_per_byte_per_position)
         self.host = (cold_bytes, link_bps, cost) if has and cost is not None else None
 
-    def prior_position(self, token_s: float) -> None:
-        """The target's prefill time per token, measured on a prefill step: a verification
-        query position's price where the rounds do not tell positions and requests apart."""
+    def prior_position(self, token_s: float, tokens: int = 0) -> None:
+        """The target's prefill time a token, on a prefill step of ``tokens``: a query position's
+        price where the rounds do not tell positions and requests apart, and (chunks of
+        ``FLOOR_TOKENS`` or more: compute-bound) the least one costs (``compute_token_s``)."""
         self.verify.prior_b2 = self.prefill_token_s.add(token_s)
-
-    def prior_catch_up(self, token_s: float) -> None:
-        """The engine's estimate of the draft's time a token caught up on, until one is measured."""
-        if not self.catch_up_fed:
-            prior = self.catch_up_token_s
-            self.catch_up_token_s = 0.7 * prior + 0.3 * token_s if prior else token_s
+        if tokens >= FLOOR_TOKENS:
+            self.compute_token_s.add(token_s)
 
     def costs(self, catch_up: float = 0.0) -> RoundCosts:
         va, vr, vb = self.verify.coef()
@@ -243,7 +233,9 @@ class RoundShaper:
         return RoundCosts(link_s=self.link_s, verify_base_s=va,
                           verify_per_request_s=vr * self.history_per_request,
                           verify_per_position_s=vb, draft_level_s=da, draft_per_node_s=db,
-                          draft_round_s=df, draft_setup_s=self._catch_up_s(catch_up), **host)
+                          draft_round_s=df + self.plain.hidden_s,
+                          draft_setup_s=self.catch_up.seconds(catch_up),
+                          verify_floor_per_position_s=self.compute_token_s.value, **host)
 
     def draft_coef(self) -> tuple[float, float, float]:
         """A drafting round's seconds: once, per forward, per node (where rounds of one depth
@@ -281,7 +273,9 @@ class RoundShaper:
         self.probing = self.exploring = False
         if history_tokens is not None and num_requests:
             self.history_per_request = history_tokens / HISTORY_UNIT / num_requests
-        if not self.seen_drafts or self.draft.n == 0:
+        if self.plain.take():  # a stretch measuring no speculation's price (plain.py)
+            pick = Shape(0)
+        elif not self.seen_drafts or self.draft.n == 0:
             pick, self.probing = Shape(max(1, self.max_depth // 2)), True
         else:
             n, costs, acc = max(1, num_requests), self.costs(catch_up), self._acceptance()
@@ -291,10 +285,16 @@ class RoundShaper:
                 if acc.observed() < self.prior_weight:
                     pick, self.probing = Shape(max(1, self.max_depth // 2)), True
                 else:
-                    pick = choose(self.candidates, n, costs, self._data_led(), self.drafting)
+                    acc = self._data_led()
+                    pick = choose(self.candidates, n, costs, acc, self.drafting)
             elif pick.depth == 0 and self.decisions % self.explore_every == 0:
                 pick, self.probing = Shape(1), True
                 self.exploring = True
+            if (pick.depth and not self.probing  # the drafts known: measure what they leave
+                    and self.acceptance.observed() >= self.prior_weight
+                    and self.plain.measure_now(pick, n, costs, acc, self.drafting,
+                                               self.decisions)):
+                pick = Shape(0)
         self.chosen[pick.depth] = self.chosen.get(pick.depth, 0) + 1
         self.chosen_nodes[pick.num_nodes] = self.chosen_nodes.get(pick.num_nodes, 0) + 1
         return pick
