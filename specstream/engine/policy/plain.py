@@ -10,7 +10,7 @@ the fit's price, less the settled ones after them, is the surcharge a drafting r
 (``hidden_s``, a moving average). The policy adds it to every drafting shape's price and takes
 it off the rounds it feeds the fit, which then prices rounds without drafts as they settle.
 Where nothing has measured it for ``REMEASURE`` decisions and the choice would flip were the
-surcharge ``1 - FLOOR`` of a round without drafts, the policy runs ``STRETCH`` rounds without
+surcharge ``SURCHARGE_SHARE`` of a round without drafts, the policy runs ``STRETCH`` rounds without
 drafts to measure it; decisions that cannot flip pay nothing. Pure Python.
 """
 
@@ -23,7 +23,7 @@ from specstream.engine.policy.round_shape import AcceptanceEstimate, RoundCosts,
 
 SETTLE = 2  # rounds without drafts right after a drafting one: still slowed
 STRETCH = 5  # a measuring stretch: SETTLE rounds slowed, the rest settled
-FLOOR = 0.7  # the surcharge a stretch is run to rule out: this share of a plain round's price
+SURCHARGE_SHARE = 0.3  # the surcharge a stretch is run to rule out, as a plain round's share
 REMEASURE = 128  # decisions after the last measurement before a stretch measures again
 
 
@@ -75,11 +75,11 @@ class PlainRounds:
                     acc: AcceptanceEstimate, drafting: str, decision: int) -> bool:
         """Whether a measuring stretch starts instead of ``pick`` (a drafting shape): where
         none measured for ``REMEASURE`` decisions and no speculation would win were drafting
-        to cost its rounds ``1 - FLOOR`` of one without drafts more. This round is its first;
+        to cost its rounds ``SURCHARGE_SHARE`` of one without drafts more. This round is its first;
         one that measures nothing (its rounds prefilling, say) runs again ``REMEASURE`` on."""
         if not self.due(decision):
             return False
-        surcharge = (1 - FLOOR) * costs.round_s(Shape(0), num_requests, drafting)
+        surcharge = SURCHARGE_SHARE * costs.round_s(Shape(0), num_requests, drafting)
         dearer = replace(costs, draft_round_s=costs.draft_round_s + surcharge)
         if choose([pick, Shape(0)], num_requests, dearer, acc, drafting).depth:
             return False
