@@ -236,3 +236,32 @@ def test_no_round_is_priced_below_its_positions_at_the_compute_bound_prefill_rat
     short = RoundShaper(8, "sequential")
     short.prior_position(0.002, 16)  # a last chunk of 16 tokens, memory-bound: no floor
     assert short.costs().verify_floor_per_position_s == 0.0
+
+
+def test_rounds_that_drop_requests_and_stalls_together_leave_a_position_its_price() -> None:
+    """The matrix's c01 as requests finish: rounds of 7 requests that stall on the link, then
+    rounds of 5 that do not. Across the drop, the history's slope reads the stalls too, and
+    the line through the points' mean leaves a negative fixed part. Capping the position's
+    price to make up for it priced a position at nothing (decisions 54-70 of a traced run),
+    and a chain of 4 for five requests read as free. The history's slope is the one read
+    across the change of regime: it gives way first."""
+    rng = random.Random(7)
+    prior = 3.6e-4
+
+    def machine(history: float, positions: int) -> float:
+        return 0.007 + 0.0032 * history + 0.001 * positions
+
+    fit = PlaneFit(prior_b2=prior)
+    for i in range(30):  # 7 requests a round, 1K of history each, 10 ms of link stalls
+        positions = 4 if i % 10 == 3 else 7  # a probe now and then: 4 positions for 1 request
+        history = 1.0 if positions == 4 else 7.0
+        stall = 0.0 if positions == 4 else 0.015
+        fit.add(history, positions, machine(history, positions) + stall + rng.gauss(0, 3e-4))
+    for _ in range(20):  # requests finish: 5 a round, everything on the device
+        fit.add(5.0, 5, machine(5.0, 5) + rng.gauss(0, 3e-4))
+    a, b1, b2 = fit.coef()
+    assert a >= 0.0
+    assert b2 > 0.5 * 0.001  # measured at 1 ms a position; the cap read 0
+    # and the plain round of five requests is priced near the rounds just seen (the fit
+    # still carries the stalls of the rounds before, fading)
+    assert a + 5 * b1 + 5 * b2 == pytest.approx(machine(5.0, 5), rel=0.15)

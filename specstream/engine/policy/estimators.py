@@ -140,8 +140,14 @@ class PlaneFit:
             b1, b2 = max(0.0, b1), max(0.0, b2)
             if c11 <= 1e-12 and c22 <= 1e-12:  # one point's worth: x2 at the prior
                 b1, b2 = 0.0, self.prior_b2
-            if m2 > 0:  # never more per x2 than the points' mean leaves
-                b2 = min(b2, max(0.0, my - b1 * m1) / m2)
+            if my - b1 * m1 - b2 * m2 < 0:
+                # the points' mean leaves less than the two slopes: the fixed part would be
+                # negative. x1's slope gives way first: it is read across request counts,
+                # where a round's regime changes with them (7 requests stalling on the link,
+                # then 5 that do not), and capping x2's instead priced a position at nothing
+                # (c01 as its requests finished). x2's after it: never more than all of it.
+                b1 = max(0.0, (my - b2 * m2) / m1) if m1 > 0 else 0.0
+                b2 = min(b2, max(0.0, my - b1 * m1) / m2) if m2 > 0 else b2
         return max(0.0, my - b1 * m1 - b2 * m2), b1, b2
 
     def _unregularised(self, c11: float, c12: float, c22: float, c1y: float, c2y: float,
