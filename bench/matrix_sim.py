@@ -70,6 +70,7 @@ def _merged_steps(sources: list[dict[str, Any]], name: str) -> dict[str, Any] | 
 def simulate(record: dict[str, Any], sources: list[dict[str, Any]]) -> dict[str, Any]:
     """The step replay of this cell's default and offload-spec runs, their step costs fitted
     on the ``sources`` cells' (never this one) resident, default and offload-spec runs."""
+    from specstream.bench.runner import WARMUP_OUTPUT_TOKENS, WARMUP_PROMPT_TOKENS
     from specstream.models.config import ModelConfig
     from specstream.models.loader import resolve_dtype
     from specstream.sim.engine_model import Geometry
@@ -83,6 +84,8 @@ def simulate(record: dict[str, Any], sources: list[dict[str, Any]]) -> dict[str,
     )
     from specstream.sim.workload import AcceptanceModel
 
+    # the bench's warm-up before the measured run: the policy's first decisions follow it
+    warmup = (WARMUP_PROMPT_TOKENS, WARMUP_OUTPUT_TOKENS)
     as_mode = {"resident": "resident", "default": "specstream", BASELINE: "offload-spec"}
     merged = {m: _merged_steps(sources, n) for n, m in as_mode.items()}
     fit_on = {m: v for m, v in merged.items() if v is not None}
@@ -115,7 +118,8 @@ def simulate(record: dict[str, Any], sources: list[dict[str, Any]]) -> dict[str,
         setup = ReplaySetup(mode=mode, config=config, geometry=geometry,
                             prompts=tuple(record["context_lengths"]),
                             output_len=record["output_len"], acceptance=acceptance,
-                            cost=costs[mode], link_bw=link_rate(record), host=host)
+                            cost=costs[mode], link_bw=link_rate(record), host=host,
+                            warmup=warmup)
         got = replay_mean(setup, seeds=REPLAY_SEEDS).result
         out[name] = {"throughput": got.throughput, "tpot_s": got.tpot_s,
                      **errors(got, measured)}

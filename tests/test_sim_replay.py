@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+import specstream.sim.replay as replay_module
 from specstream.engine.contract import DraftWork, SeqWork, StepPlan
 from specstream.engine.sched.scheduler import Scheduler
 from specstream.sampling_params import SamplingParams
@@ -204,12 +206,44 @@ def test_auto_policy_and_trees_run_through_the_scheduler() -> None:
     assert max(f.query_tokens for f in run.records if not f.prefill_tokens) == 27
 
 
+def test_the_bench_warm_up_teaches_the_policy_and_is_not_measured(monkeypatch) -> None:
+    """The bench runs a short warm-up before the measured requests, and the round-shape
+    policy keeps what it learned there (its first probe ran on the warm-up). The replay runs
+    the same warm-up first: the measured requests start with a policy that has seen drafts,
+    and none of the warm-up's steps or decisions count in what the replay reports."""
+    base = setups(json.loads(BENCH_A.read_text()))["specstream"]
+    auto = replace(base, config=engine_config(SETTINGS, "specstream",
+                                              speculative_policy="auto"))
+    phases: list[tuple[bool, int, int]] = []  # (seen drafts, decisions before, after)
+    run_phase = replay_module._Clock.run
+
+    def spy(clock: Any) -> None:
+        shaper = clock.eng.scheduler.shaper
+        seen, before = shaper.seen_drafts, shaper.decisions
+        run_phase(clock)
+        phases.append((seen, before, shaper.decisions))
+
+    monkeypatch.setattr(replay_module._Clock, "run", spy)
+    cold = replay(auto, record=True)
+    assert [p[0] for p in phases] == [False]
+    phases.clear()
+    warm = replay(replace(auto, warmup=(64, 4)), record=True)
+    assert [p[0] for p in phases] == [False, True]  # the warm-up probed: drafts seen after it
+    (_, _, warm_end), (_, measured_from, end) = phases
+    assert measured_from == warm_end > 0
+    assert sum(warm.shapes.values()) == end - measured_from  # its decisions alone
+    # the warm-up's prompt is the first prompt's first 64 tokens: nothing else is prefilled
+    # in the measured run, and the first request may reuse those cached tokens
+    prompt_tokens = sum(auto.prompts)
+    assert prompt_tokens - 64 <= sum(f.prefill_tokens for f in warm.records) <= prompt_tokens
+    assert sum(f.prefill_tokens for f in cold.records) == prompt_tokens
+    assert warm.result.throughput > 0 and cold.result.throughput > 0
+
+
 def test_the_replay_counts_waves_of_the_ring_the_engine_built(monkeypatch) -> None:
     """A budget whose half cannot hold the configured ring narrows its waves
     (``staging_ring``: eight requests a wave become two); the replay's steps move history in
     the built ring's waves, not the configured ones."""
-    import specstream.sim.replay as replay_module
-
     base = setups(json.loads(BENCH_A.read_text()))["specstream"]
     config = engine_config(SETTINGS, "specstream", wave_requests=8,
                            device_kv_bytes=16 * 2**20)

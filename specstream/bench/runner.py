@@ -152,13 +152,19 @@ def open_llm(mode: str, s: BenchSettings, trace: bool = False) -> LLM:
                **s.engine_kwargs(mode))
 
 
+# the warm-up request before a measured run: the first prompt's leading tokens, a few output
+# tokens (the simulator's replay runs the same one: ``ReplaySetup.warmup``)
+WARMUP_PROMPT_TOKENS = 64
+WARMUP_OUTPUT_TOKENS = 4
+
+
 def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams
                    ) -> tuple[list[Any], float, dict[str, Any], dict[str, Any]]:
     """A measured run: a short warm-up (not measured), then ``prompts`` at once. Returns the
     outputs, the wall time, and the engine's metrics before and after the measured run (its
     round and prefill-step records then hold that run only)."""
-    llm.generate([prompts[0][:64]], SamplingParams(temperature=0, max_tokens=4,
-                                                    ignore_eos=True), use_tqdm=False)
+    llm.generate([prompts[0][:WARMUP_PROMPT_TOKENS]], SamplingParams(
+        temperature=0, max_tokens=WARMUP_OUTPUT_TOKENS, ignore_eos=True), use_tqdm=False)
     base = llm.get_metrics()
     llm.engine.rounds.clear()
     llm.engine.prefill_steps.clear()

@@ -66,6 +66,9 @@ class ReplaySetup:
     # the host's attention costs when the run attended cold history on the host (the config
     # then has host attention on); None: everything cold crosses the link
     host: HostModel | None = None
+    # a request run before the measured ones, as the bench's warm-up: (its prompt tokens, the
+    # first prompt's leading ones; its output tokens); None: none
+    warmup: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.shared_prefix > min(self.prompts, default=0):
@@ -101,93 +104,132 @@ class ReplayRun:
 
 def replay(s: ReplaySetup, seed: int = 0, record: bool = False) -> ReplayRun:
     """Run the workload through the engine's scheduler on the simulated clock; ``record``
-    keeps every step's features (``ReplayRun.records``)."""
+    keeps every step's features (``ReplayRun.records``). Where ``s.warmup`` is set, its
+    request runs first, as the bench's warm-up does: the scheduler and the feedback (the
+    round-shape policy's models) keep what it taught them, nothing of it is measured."""
     eng = build(s.config, s.geometry)
-    sched, cfg = eng.scheduler, s.config
-    feedback = RoundFeedback(cfg, sched.shaper, link_bps=s.link_bw)
+    feedback = RoundFeedback(s.config, eng.scheduler.shaper, link_bps=s.link_bw)
     worker = FakeWorker(s.acceptance, np.random.default_rng(seed))
     params = SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True)
-    for i, ids in enumerate(s.prompt_ids()):
-        sched.add(Request(str(i), ids, params))
-    block_bytes, layers = eng.layout.block_bytes, s.geometry.num_layers
-    first: dict[str, float] = {}
-    finish: dict[str, float] = {}
-    now = link_busy = decode_time = 0.0
-    steps = {"decode": 0, "prefill-only": 0, "mixed": 0}
-    idle = admitted = verify_rounds = 0
-    verify_bytes = 0.0
-    records: list[StepFeatures] = []
-    for _ in range(MAX_STEPS):
-        if not sched.has_work():
-            break
-        plan = sched.schedule(feedback.estimates())
-        admitted = max(admitted, len(sched.running))
-        link_bytes = eng.link_bytes(plan)  # before the step changes what lives where
-        out = worker.run(plan)
-        f = StepFeatures.of_step(plan, out, link_bytes, layers, s.history,
-                                 eng.layout.wave_requests)  # as the ring was built
-        update = sched.update(plan, out)
-        if update.writebacks:  # a prefill chunk's blocks, copied right after the step
-            f = replace(f, writeback_bytes=sum(len(p) for p in update.writebacks.values())
-                        * eng.layout.block_bytes)
-            sched.complete_writebacks(update.writebacks, {})
-        wall, compute, link = s.cost.seconds(f, s.link_bw)
-        draft = s.cost.compute_s(f)[1]
-        jobs = s.host.jobs(plan, block_bytes, layers) if s.host is not None else ()
-        host_s = sum(t for _, t, _ in jobs)
-        host_wait = 0.0
-        if s.host is not None:  # the host's partials, side by side with the link's waves
-            link_wait = wall - compute - f.writeback_bytes / s.link_bw
-            host_wait = max(0.0, s.host.wait_s(host_s, compute - draft) - link_wait)
-            wall += host_wait
-        now += wall
-        if record:
-            records.append(f)
-        decode = is_decode_step(plan, out)
-        feedback.observe(plan, out, StepMeasures(
-            wall_s=wall, wait_s=wall - compute - host_wait, draft_s=draft,
-            link_busy_s=link, link_bytes=int(f.history_bytes + f.writeback_bytes),
-            history_bytes=int(f.history_bytes), prefill_tokens=int(f.prefill_tokens),
-            decode=decode, host_attends=s.host is not None,
-            host_bytes=sum(n for _, _, n in jobs), host_busy_s=host_s, host_wait_s=host_wait,
-            host_serial_s=(s.host.serial_share * (compute - draft) if s.host else 0.0),
-            host_jobs=jobs))
-        if not decode and not f.prefill_tokens:
-            idle += 1
-            if idle > 1000:
-                raise RuntimeError(f"{s.mode}: the scheduler makes no progress")
-            continue
-        idle = 0
-        if decode:
-            steps["mixed" if f.prefill_tokens else "decode"] += 1
-            verify_rounds += bool(plan.seqs)
-            verify_bytes += f.history_bytes if plan.seqs else 0.0
-            link_busy += min(link, wall)
-            decode_time += wall
-        else:
-            steps["prefill-only"] += 1
-        for req in update.touched:
-            rid = req.request_id
-            if req.first_token_time is not None and rid not in first:
-                first[rid] = now
-            if req.finished:
-                finish[rid] = now
-    else:
-        raise RuntimeError(f"{s.mode}: no end after {MAX_STEPS} steps")
-    done = [rid for rid in finish if rid in first]
-    tpots = [(finish[r] - first[r]) / max(1, s.output_len - 1) for r in done]
+    prompts = s.prompt_ids()
+    if s.warmup is not None:
+        tokens, out_len = s.warmup
+        eng.scheduler.add(Request("warmup", prompts[0][:tokens], replace(
+            params, max_tokens=out_len)))
+        _Clock(s, eng, feedback, worker).run()
+    for i, ids in enumerate(prompts):
+        eng.scheduler.add(Request(str(i), ids, params))
+    clock = _Clock(s, eng, feedback, worker, record)
+    clock.run()
+    done = [rid for rid in clock.finish if rid in clock.first]
+    tpots = [(clock.finish[r] - clock.first[r]) / max(1, s.output_len - 1) for r in done]
     tokens = s.output_len * len(done)
+    cfg, now = s.config, clock.now
     spec = cfg.speculative
     result = ModeResult(
         mode=s.mode, feasible=True, gpus=cfg.mode_spec.devices, q=cfg.q if spec else 0,
-        max_concurrency=admitted, admitted=admitted,
+        max_concurrency=clock.admitted, admitted=clock.admitted,
         throughput=tokens / now if now else 0.0,
-        ttft_s=float(np.percentile([first[r] for r in done], 50)),
+        ttft_s=float(np.percentile([clock.first[r] for r in done], 50)),
         tpot_s=float(np.percentile(tpots, 50)), makespan_s=now,
-        link_utilisation=link_busy / decode_time if decode_time else 0.0, round=None)
-    shapes = dict(sched.shaper.chosen) if sched.shaper is not None else {}
-    return ReplayRun(result, steps, shapes, records,
-                     verify_bytes / verify_rounds if verify_rounds else 0.0)
+        link_utilisation=clock.link_busy / clock.decode_time if clock.decode_time else 0.0,
+        round=None)
+    shaper = eng.scheduler.shaper
+    shapes = dict(shaper.chosen) if shaper is not None else {}
+    if shaper is not None and clock.shapes_before:  # the warm-up's decisions not counted
+        shapes = {d: n - clock.shapes_before.get(d, 0) for d, n in shapes.items()
+                  if n - clock.shapes_before.get(d, 0)}
+    return ReplayRun(result, clock.steps, shapes, clock.records,
+                     clock.verify_bytes / clock.verify_rounds if clock.verify_rounds else 0.0)
+
+
+@dataclass
+class _Clock:
+    """The requests the scheduler holds, run to the end on the simulated clock, and what the
+    bench would have measured of them."""
+
+    s: ReplaySetup
+    eng: Any
+    feedback: RoundFeedback
+    worker: FakeWorker
+    record: bool = False
+    now: float = 0.0
+    link_busy: float = 0.0
+    decode_time: float = 0.0
+    admitted: int = 0
+    verify_rounds: int = 0
+    verify_bytes: float = 0.0
+    first: dict[str, float] = field(default_factory=dict)
+    finish: dict[str, float] = field(default_factory=dict)
+    steps: dict[str, int] = field(default_factory=lambda: {"decode": 0, "prefill-only": 0,
+                                                            "mixed": 0})
+    records: list[StepFeatures] = field(default_factory=list)
+    shapes_before: dict[int, int] = field(default_factory=dict)
+
+    def run(self) -> None:
+        s, eng, feedback = self.s, self.eng, self.feedback
+        sched = eng.scheduler
+        if sched.shaper is not None:
+            self.shapes_before = dict(sched.shaper.chosen)
+        block_bytes, layers = eng.layout.block_bytes, s.geometry.num_layers
+        idle = 0
+        for _ in range(MAX_STEPS):
+            if not sched.has_work():
+                return
+            plan = sched.schedule(feedback.estimates())
+            self.admitted = max(self.admitted, len(sched.running))
+            link_bytes = eng.link_bytes(plan)  # before the step changes what lives where
+            out = self.worker.run(plan)
+            f = StepFeatures.of_step(plan, out, link_bytes, layers, s.history,
+                                     eng.layout.wave_requests)  # as the ring was built
+            update = sched.update(plan, out)
+            if update.writebacks:  # a prefill chunk's blocks, copied right after the step
+                f = replace(f, writeback_bytes=sum(len(p) for p in update.writebacks.values())
+                            * eng.layout.block_bytes)
+                sched.complete_writebacks(update.writebacks, {})
+            wall, compute, link = s.cost.seconds(f, s.link_bw)
+            draft = s.cost.compute_s(f)[1]
+            jobs = s.host.jobs(plan, block_bytes, layers) if s.host is not None else ()
+            host_s = sum(t for _, t, _ in jobs)
+            host_wait = 0.0
+            if s.host is not None:  # the host's partials, side by side with the link's waves
+                link_wait = wall - compute - f.writeback_bytes / s.link_bw
+                host_wait = max(0.0, s.host.wait_s(host_s, compute - draft) - link_wait)
+                wall += host_wait
+            self.now += wall
+            if self.record:
+                self.records.append(f)
+            decode = is_decode_step(plan, out)
+            feedback.observe(plan, out, StepMeasures(
+                wall_s=wall, wait_s=wall - compute - host_wait, draft_s=draft,
+                link_busy_s=link, link_bytes=int(f.history_bytes + f.writeback_bytes),
+                history_bytes=int(f.history_bytes), prefill_tokens=int(f.prefill_tokens),
+                decode=decode, host_attends=s.host is not None,
+                host_bytes=sum(n for _, _, n in jobs), host_busy_s=host_s,
+                host_wait_s=host_wait,
+                host_serial_s=(s.host.serial_share * (compute - draft) if s.host else 0.0),
+                host_jobs=jobs))
+            if not decode and not f.prefill_tokens:
+                idle += 1
+                if idle > 1000:
+                    raise RuntimeError(f"{s.mode}: the scheduler makes no progress")
+                continue
+            idle = 0
+            if decode:
+                self.steps["mixed" if f.prefill_tokens else "decode"] += 1
+                self.verify_rounds += bool(plan.seqs)
+                self.verify_bytes += f.history_bytes if plan.seqs else 0.0
+                self.link_busy += min(link, wall)
+                self.decode_time += wall
+            else:
+                self.steps["prefill-only"] += 1
+            for req in update.touched:
+                rid = req.request_id
+                if req.first_token_time is not None and rid not in self.first:
+                    self.first[rid] = self.now
+                if req.finished:
+                    self.finish[rid] = self.now
+        raise RuntimeError(f"{s.mode}: no end after {MAX_STEPS} steps")
 
 
 def replay_mean(s: ReplaySetup, seeds: int | None = None) -> ReplayRun:
