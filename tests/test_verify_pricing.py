@@ -239,12 +239,13 @@ def test_no_round_is_priced_below_its_positions_at_the_compute_bound_prefill_rat
 
 
 def test_rounds_that_drop_requests_and_stalls_together_leave_a_position_its_price() -> None:
-    """The matrix's c01 as requests finish: rounds of 7 requests that stall on the link, then
-    rounds of 5 that do not. Across the drop, the history's slope reads the stalls too, and
-    the line through the points' mean leaves a negative fixed part. Capping the position's
-    price to make up for it priced a position at nothing (decisions 54-70 of a traced run),
-    and a chain of 4 for five requests read as free. The history's slope is the one read
-    across the change of regime: it gives way first."""
+    """The matrix's c01 as requests finish: rounds of 7 requests ran slower than the line
+    through the rounds of 5 after them (here: 15 ms more, as if they stalled). Across the
+    drop, the history's slope reads that too, and the line through the points' mean leaves
+    a negative fixed part. Capping the position's price to make up for it priced a position
+    at nothing (decisions 54-70 of a traced run), and a chain of 4 for five requests read as
+    free. The history's slope is the one read across the change of regime: it gives way
+    first."""
     rng = random.Random(7)
     prior = 3.6e-4
 

@@ -143,9 +143,10 @@ class PlaneFit:
             if my - b1 * m1 - b2 * m2 < 0:
                 # the points' mean leaves less than the two slopes: the fixed part would be
                 # negative. x1's slope gives way first: it is read across request counts,
-                # where a round's regime changes with them (7 requests stalling on the link,
-                # then 5 that do not), and capping x2's instead priced a position at nothing
-                # (c01 as its requests finished). x2's after it: never more than all of it.
+                # where a round's regime changes with them (c01 as its requests finished:
+                # rounds of 7 at 35 ms, then of 5 at 25, more than a request's slope), and
+                # capping x2's instead priced a position at nothing. x2's after it: never
+                # more than all of it.
                 b1 = max(0.0, (my - b2 * m2) / m1) if m1 > 0 else 0.0
                 b2 = min(b2, max(0.0, my - b1 * m1) / m2) if m2 > 0 else b2
         return max(0.0, my - b1 * m1 - b2 * m2), b1, b2
