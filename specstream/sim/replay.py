@@ -117,6 +117,8 @@ def replay(s: ReplaySetup, seed: int = 0, record: bool = False) -> ReplayRun:
         eng.scheduler.add(Request("warmup", prompts[0][:tokens], replace(
             params, max_tokens=out_len)))
         _Clock(s, eng, feedback, worker).run()
+    shaper = eng.scheduler.shaper
+    before = dict(shaper.chosen) if shaper is not None else {}  # the warm-up's decisions
     for i, ids in enumerate(prompts):
         eng.scheduler.add(Request(str(i), ids, params))
     clock = _Clock(s, eng, feedback, worker, record)
@@ -134,11 +136,8 @@ def replay(s: ReplaySetup, seed: int = 0, record: bool = False) -> ReplayRun:
         tpot_s=float(np.percentile(tpots, 50)), makespan_s=now,
         link_utilisation=clock.link_busy / clock.decode_time if clock.decode_time else 0.0,
         round=None)
-    shaper = eng.scheduler.shaper
-    shapes = dict(shaper.chosen) if shaper is not None else {}
-    if shaper is not None and clock.shapes_before:  # the warm-up's decisions not counted
-        shapes = {d: n - clock.shapes_before.get(d, 0) for d, n in shapes.items()
-                  if n - clock.shapes_before.get(d, 0)}
+    after = dict(shaper.chosen) if shaper is not None else {}
+    shapes = {d: n - before.get(d, 0) for d, n in after.items() if n > before.get(d, 0)}
     return ReplayRun(result, clock.steps, shapes, clock.records,
                      clock.verify_bytes / clock.verify_rounds if clock.verify_rounds else 0.0)
 
@@ -164,13 +163,10 @@ class _Clock:
     steps: dict[str, int] = field(default_factory=lambda: {"decode": 0, "prefill-only": 0,
                                                             "mixed": 0})
     records: list[StepFeatures] = field(default_factory=list)
-    shapes_before: dict[int, int] = field(default_factory=dict)
 
     def run(self) -> None:
         s, eng, feedback = self.s, self.eng, self.feedback
         sched = eng.scheduler
-        if sched.shaper is not None:
-            self.shapes_before = dict(sched.shaper.chosen)
         block_bytes, layers = eng.layout.block_bytes, s.geometry.num_layers
         idle = 0
         for _ in range(MAX_STEPS):
