@@ -199,6 +199,74 @@ def test_decode_write_backs_ride_along_the_next_step() -> None:
     assert sched.schedule().seqs[0].restore_chunks  # now restored from the host
 
 
+def _prompt_under_fill(link_bps: float) -> tuple[Scheduler, list[int]]:
+    """A 150-token prompt prefilled under `fill` (three 64-token chunks, the last samples),
+    after a decode round of another request measured at 10 ms (the round a write-back rides
+    along). Returns the scheduler and the blocks copied right after each prefill step."""
+    sched = _offload_scheduler(mode="offload", proposer=None, num_speculative_tokens=None,
+                               residency="fill", history_token_bytes=1000)
+    est = Estimates(link_bps=link_bps)
+    sched.add(Request("a", [3, 4], SamplingParams(max_tokens=64, ignore_eos=True)))
+    plan = sched.schedule(est)
+    sched.update(plan, _emit(plan))
+    plan = sched.schedule(est)
+    out = _emit(plan)
+    out.wall_s = 0.010
+    sched.update(plan, out)  # a's decode round: 10 ms
+    sched.add(Request("r", list(range(3, 153)), SamplingParams(max_tokens=64, ignore_eos=True)))
+    copied = []
+    while sched.requests["r"].in_prefill:
+        plan = sched.schedule(est)
+        update = sched.update(plan, _emit(plan))
+        copied.append(sum(map(len, update.writebacks.values())))
+        sched.complete_writebacks(update.writebacks, {})
+    return sched, copied
+
+
+def test_a_finished_prompt_under_fill_is_written_back_along_the_rounds_after_it() -> None:
+    """Under `fill` a prompt's blocks stay on the device: the chunks before its last copy
+    theirs right after their step (the next chunk may need the room), its last chunk's ride
+    along the rounds that follow, as many a round as the link carries in one (here 16 KB of a
+    block at 1.6 MB/s over a 10 ms round: one), so its first rounds do not wait on the link.
+    Where the link's rate is not known yet, the last chunk's copy is made right away too."""
+    sched, copied = _prompt_under_fill(link_bps=1.6e6)
+    assert copied == [4, 4, 0]  # blocks 0-3, 4-7, then none: 8 (tokens 128-143) rides along
+    seq = sched.kv.seqs["r"]
+    assert len(seq.host_blocks) == 8 and len(seq.moving) == 1
+    plan = sched.schedule(Estimates(link_bps=1.6e6))
+    assert ("r", tuple(seq.moving)) in plan.writebacks
+    sched.update(plan, _emit(plan))
+    assert len(seq.host_blocks) == 9  # every full block of the prompt now has a host copy
+    _, copied = _prompt_under_fill(link_bps=0.0)
+    assert copied == [4, 4, 1]
+
+
+def test_a_prompt_s_blocks_ride_along_at_most_a_round_s_worth_at_a_time() -> None:
+    sched = _offload_scheduler(mode="offload", proposer=None, num_speculative_tokens=None,
+                               residency="fill", history_token_bytes=1000,
+                               max_prefill_tokens=256)
+    est = Estimates(link_bps=3.2e6)  # 32 KB in a 10 ms round: two 16 KB blocks
+    sched.add(Request("a", [3, 4], SamplingParams(max_tokens=64, ignore_eos=True)))
+    for wall in (0.0, 0.010):
+        plan = sched.schedule(est)
+        out = _emit(plan)
+        out.wall_s = wall
+        sched.update(plan, out)
+    sched.add(Request("r", list(range(3, 103)), SamplingParams(max_tokens=64, ignore_eos=True)))
+    plan = sched.schedule(est)  # the whole 100-token prompt in one chunk: 6 full blocks
+    assert [s.request_id for s in plan.seqs if s.prefill] == ["r"]
+    assert sched.update(plan, _emit(plan)).writebacks == {}
+    seq, landed = sched.kv.seqs["r"], []
+    while len(seq.host_blocks) < 6:
+        plan = sched.schedule(est)
+        assert all(len(pairs) <= 2 for _, pairs in plan.writebacks)
+        out = _emit(plan)
+        out.wall_s = 0.010
+        sched.update(plan, out)
+        landed.append(len(seq.host_blocks))
+    assert landed == [2, 4, 6]
+
+
 def test_a_prefill_step_verifies_everyone_only_where_its_chunk_hides_their_history() -> None:
     """Where streaming every decoding request's history would take longer than the chunk's
     compute (a slow link), a two-group step that carries a prefill chunk verifies one group,

@@ -71,6 +71,8 @@ class Scheduler:
         self.host_split = host_split or MeasuredSplit(config,
                                                       history_token_bytes * config.block_size)
         self.updates = Update(kv, frozenset(eos_token_ids), tokenizer, self._release)
+        self.block_bytes = history_token_bytes * config.block_size  # a block's KV, all layers
+        self._link_bps = self._round_s = 0.0  # the last estimate, the last decode round's wall
 
     @classmethod
     def for_layout(cls, config: EngineConfig, layout: RuntimeLayout,
@@ -119,6 +121,7 @@ class Scheduler:
         """The next step's plan, from what is known of the machine (``est``; nothing
         measured when None)."""
         est = est or Estimates()
+        self._link_bps = est.link_bps
         self._copies += self.admission.admit(self.waiting, self.running)
         self.max_concurrency = max(self.max_concurrency, len(self.running))
         draft_s = None  # what drafting after a merged round would take, where sharing asks
@@ -249,7 +252,11 @@ class Scheduler:
             return ((req.request_id in after or self.groups.enabled)
                     and self.drafts.wants_drafts(req))
 
-        return self.updates.apply(plan, output, self.requests, next_drafts)
+        if plan.seqs and not any(w.prefill for w in plan.seqs):
+            self._round_s = output.wall_s
+        per_round = self._link_bps * self._round_s / self.block_bytes if self.block_bytes else 0
+        return self.updates.apply(plan, output, self.requests, next_drafts,
+                                  max(1, int(per_round)) if per_round > 0 else None)
 
     def complete_writebacks(self, writebacks: dict[str, list[tuple[int, int]]],
                             errors: dict[str, str]) -> None:
