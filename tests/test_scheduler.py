@@ -199,13 +199,14 @@ def test_decode_write_backs_ride_along_the_next_step() -> None:
     assert sched.schedule().seqs[0].restore_chunks  # now restored from the host
 
 
-def _prompt_under_fill(link_bps: float) -> tuple[Scheduler, list[int]]:
+def _prompt_under_fill(link_bps: float, link_bound: bool = False
+                       ) -> tuple[Scheduler, list[int]]:
     """A 150-token prompt prefilled under `fill` (three 64-token chunks, the last samples),
     after a decode round of another request measured at 10 ms (the round a write-back rides
     along). Returns the scheduler and the blocks copied right after each prefill step."""
     sched = _offload_scheduler(mode="offload", proposer=None, num_speculative_tokens=None,
                                residency="fill", history_token_bytes=1000)
-    est = Estimates(link_bps=link_bps)
+    est = Estimates(link_bps=link_bps, link_bound=link_bound)
     sched.add(Request("a", [3, 4], SamplingParams(max_tokens=64, ignore_eos=True)))
     plan = sched.schedule(est)
     sched.update(plan, _emit(plan))
@@ -228,24 +229,25 @@ def test_a_finished_prompt_under_fill_is_written_back_along_the_rounds_after_it(
     theirs right after their step (the next chunk may need the room), its last chunk's ride
     along the rounds that follow, as many a round as the link carries in one (here 16 KB of a
     block at 1.6 MB/s over a 10 ms round: one), so its first rounds do not wait on the link.
-    Where the link's rate is not known yet, the last chunk's copy is made right away too."""
+    Where the link's rate is not known yet, or rounds wait on the link (a copy riding along
+    would lengthen them as much), the last chunk's copy is made right away too."""
     sched, copied = _prompt_under_fill(link_bps=1.6e6)
     assert copied == [4, 4, 0]  # blocks 0-3, 4-7, then none: 8 (tokens 128-143) rides along
     seq = sched.kv.seqs["r"]
     assert len(seq.host_blocks) == 8 and len(seq.moving) == 1
-    plan = sched.schedule(Estimates(link_bps=1.6e6))
+    plan = sched.schedule(Estimates(link_bps=1.6e6, link_bound=False))
     assert ("r", tuple(seq.moving)) in plan.writebacks
     sched.update(plan, _emit(plan))
     assert len(seq.host_blocks) == 9  # every full block of the prompt now has a host copy
-    _, copied = _prompt_under_fill(link_bps=0.0)
-    assert copied == [4, 4, 1]
+    for link_bps, link_bound in ((0.0, False), (1.6e6, True)):
+        assert _prompt_under_fill(link_bps, link_bound)[1] == [4, 4, 1]
 
 
 def test_a_prompt_s_blocks_ride_along_at_most_a_round_s_worth_at_a_time() -> None:
     sched = _offload_scheduler(mode="offload", proposer=None, num_speculative_tokens=None,
                                residency="fill", history_token_bytes=1000,
                                max_prefill_tokens=256)
-    est = Estimates(link_bps=3.2e6)  # 32 KB in a 10 ms round: two 16 KB blocks
+    est = Estimates(link_bps=3.2e6, link_bound=False)  # 32 KB in a 10 ms round: two blocks
     sched.add(Request("a", [3, 4], SamplingParams(max_tokens=64, ignore_eos=True)))
     for wall in (0.0, 0.010):
         plan = sched.schedule(est)

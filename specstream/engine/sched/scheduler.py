@@ -72,7 +72,9 @@ class Scheduler:
                                                       history_token_bytes * config.block_size)
         self.updates = Update(kv, frozenset(eos_token_ids), tokenizer, self._release)
         self.block_bytes = history_token_bytes * config.block_size  # a block's KV, all layers
-        self._link_bps = self._round_s = 0.0  # the last estimate, the last decode round's wall
+        # the last estimates (the link's rate, whether rounds wait on it), the last decode
+        # round's wall: what a prompt's write-back can ride along (``update``)
+        self._link_bps, self._link_bound, self._round_s = 0.0, True, 0.0
 
     @classmethod
     def for_layout(cls, config: EngineConfig, layout: RuntimeLayout,
@@ -121,7 +123,7 @@ class Scheduler:
         """The next step's plan, from what is known of the machine (``est``; nothing
         measured when None)."""
         est = est or Estimates()
-        self._link_bps = est.link_bps
+        self._link_bps, self._link_bound = est.link_bps, est.link_bound
         self._copies += self.admission.admit(self.waiting, self.running)
         self.max_concurrency = max(self.max_concurrency, len(self.running))
         draft_s = None  # what drafting after a merged round would take, where sharing asks
@@ -254,7 +256,10 @@ class Scheduler:
 
         if plan.seqs and not any(w.prefill for w in plan.seqs):
             self._round_s = output.wall_s
-        per_round = self._link_bps * self._round_s / self.block_bytes if self.block_bytes else 0
+        # where rounds wait on the link, a copy riding along them would lengthen them by as
+        # much as waiting for it now: only rounds the link leaves room in take one
+        per_round = (0.0 if self._link_bound or not self.block_bytes
+                     else self._link_bps * self._round_s / self.block_bytes)
         return self.updates.apply(plan, output, self.requests, next_drafts,
                                   max(1, int(per_round)) if per_round > 0 else None)
 
