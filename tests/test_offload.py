@@ -171,3 +171,34 @@ def test_layer_restore_into_lent_pool_blocks_returns_every_layer_exactly():
         source.end()
     finally:
         backend.close()
+
+
+def test_a_prompt_s_write_back_does_not_hold_the_rounds_after_it(tiny_target):
+    """Under `fill` with room to spare, a finished prompt's blocks are copied to the host
+    along the decode rounds that follow, a round's worth of the link at a time, not waited for
+    right after its prefill step; a round that does wait for its copies counts that as time
+    blocked on the link (``wait_s``), not as its verification. Outputs are unchanged."""
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 128, (400,), generator=g).tolist()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref_llm = LLM(tiny_target, mode="resident", device_kv_bytes=4_000_000)
+    ref = ref_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    ref_llm.close()
+    llm = LLM(tiny_target, mode="stream", device_kv_bytes=4_000_000, link_gbps=0.001,
+              **{**OFFLOAD, "max_prefill_tokens": 512})  # the prompt in one step
+    try:
+        llm.generate([[3, 4]], params, use_tqdm=False)  # rounds that move no history
+        eng = llm.engine
+        eng.rounds.clear()
+        eng.prefill_steps.clear()
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert out == ref
+        block_s = eng.layout.block_bytes / 1e6  # one block over the emulated link
+        (prefill,) = [*eng.prefill_steps, *(r for r in eng.rounds if r.prefill_tokens)]
+        assert prefill.wall_s < 12 * block_s  # its 25 full blocks were not waited for
+        decode = [r for r in eng.rounds if not r.prefill_tokens]
+        assert sum(r.wait_s for r in decode) > 5 * block_s  # the rounds carried them
+        compute = sorted(r.wall_s - r.wait_s for r in decode)
+        assert compute[len(compute) // 2] < block_s / 2  # the copies are not verification
+    finally:
+        llm.close()
