@@ -45,8 +45,8 @@ class Update:
         an error in the output did not run: it stays as it was and is scheduled again.
         ``next_drafts(req)``: whether a request that just verified drafts for its next round
         (in this step, after verification, or while the other group verifies).
-        ``writeback_blocks``: the blocks of a request the link carries while a round runs
-        (None: not known, or the rounds wait on the link); where given, a finished prompt's
+        ``writeback_blocks``: the blocks of a request the link carries in the time a round
+        leaves it (None: not known, or the rounds wait on the link); where given, a finished prompt's
         write-back under `fill` rides along the rounds that follow, that many blocks a round,
         instead of being waited for right after the step (the blocks stay on the device
         meanwhile: nothing needs their room, and the rounds after it do not wait on it)."""
