@@ -46,10 +46,10 @@ class Update:
         ``next_drafts(req)``: whether a request that just verified drafts for its next round
         (in this step, after verification, or while the other group verifies).
         ``writeback_blocks``: the blocks of a request the link carries in the time a round
-        leaves it (None: not known, or the rounds wait on the link); where given, a finished prompt's
-        write-back under `fill` rides along the rounds that follow, that many blocks a round,
-        instead of being waited for right after the step (the blocks stay on the device
-        meanwhile: nothing needs their room, and the rounds after it do not wait on it)."""
+        leaves it (None: not known, or the rounds wait on the link). Where given, a finished
+        prompt's write-back under `fill` rides along the rounds that follow, that many blocks
+        a round, instead of being waited for right after the step (the blocks stay on the
+        device meanwhile: nothing needs their room, and the rounds after do not wait on it)."""
         result = StepUpdate()
         self._writeback_blocks = writeback_blocks
         self.kv.release_pins()  # the step made its prefix-cache copies
