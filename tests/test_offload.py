@@ -202,3 +202,28 @@ def test_a_prompt_s_write_back_does_not_hold_the_rounds_after_it(tiny_target):
         assert compute[len(compute) // 2] < block_s / 2  # the copies are not verification
     finally:
         llm.close()
+
+
+def test_prompts_riding_along_on_a_tight_budget_fail_nothing(tiny_target):
+    """Deferred prompt write-backs pin their blocks until copied: on a budget that cannot hold
+    every prompt, with requests admitted while others' copies still ride along a slow link,
+    every request finishes with `resident`'s tokens."""
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist()
+               for n in (300, 180, 420, 250, 330, 210, 380, 150)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ref_llm = LLM(tiny_target, mode="resident", device_kv_bytes=8_000_000)
+    ref = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, params, use_tqdm=False)]
+    ref_llm.close()
+    # 400 KB holds about a third of the prompts' KV; at 0.2 GB/s every prompt's copies ride
+    # along (all eight, counted once by hand), at 0.02 GB/s the rounds wait on the link and
+    # only the first does
+    llm = LLM(tiny_target, mode="stream", device_kv_bytes=400_000, link_gbps=0.2,
+              **{**OFFLOAD, "max_prefill_tokens": 512})
+    try:
+        llm.generate([[3, 4]], params, use_tqdm=False)  # rounds that move no history
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].finish_reason for o in outs] == ["length"] * len(prompts)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+    finally:
+        llm.close()
