@@ -203,7 +203,7 @@ class LLMEngine:
             return out
 
     def _write_back(self, writebacks: dict[str, list[tuple[int, int]]]) -> None:
-        """The prefill chunks' blocks due now, copied right after the step (``Update.apply``)."""
+        """A prefill chunk's tail blocks, copied right after its step (the next needs room)."""
         if writebacks:
             errors = self.worker.writeback(writebacks)
             self.scheduler.complete_writebacks(writebacks, errors)

@@ -344,9 +344,9 @@ class KVManager:
         seq.promoting = []
 
     # ---- movement plans -----------------------------------------------------------------
-    def plan_writeback(self, rid: str, limit: int | None = None) -> list[tuple[int, int]]:
+    def plan_writeback(self, rid: str) -> list[tuple[int, int]]:
         """(device block, host block) pairs to copy device to host (none while an earlier
-        write-back of the request is still moving), at most ``limit`` (None: every one due).
+        write-back of the request is still moving).
 
         Only full blocks move. `fill` copies every full block (write-through); `tail` only
         those past the resident tail once the request passes ``offload_after_tokens``. The
@@ -362,7 +362,7 @@ class KVManager:
             if seq.num_tokens <= p.offload_after_tokens:
                 return []
             end = min(end, (seq.num_tokens - p.resident_tail_tokens) // self.block_size)
-        movable = min(end - start, self.host.num_free, end - start if limit is None else limit)
+        movable = min(end - start, self.host.num_free)
         if movable <= 0:
             return []
         i = start - seq.first  # the window index of block `start`

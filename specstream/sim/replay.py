@@ -178,7 +178,6 @@ class _Clock:
             out = self.worker.run(plan)
             f = StepFeatures.of_step(plan, out, link_bytes, layers, s.history,
                                      eng.layout.wave_requests)  # as the ring was built
-            out.wall_s = s.cost.seconds(f, s.link_bw)[0]  # what the scheduler reads of it
             update = sched.update(plan, out)
             if update.writebacks:  # a prefill chunk's blocks, copied right after the step
                 f = replace(f, writeback_bytes=sum(len(p) for p in update.writebacks.values())

@@ -90,12 +90,8 @@ class Worker:
                 self.release(d.request_id)
             raise
         finally:  # no copy may still be writing when its blocks change hands
-            copied = time.perf_counter()
             out.errors.update(self._wait(writebacks))
-            copied = time.perf_counter() - copied
-        # blocked on the link: for the history, then for write-backs the round did not hide
-        # (counted as compute, they priced a round's verification by the copies it carried)
-        out.wait_s = self.history.wait_s - wait0 + copied
+        out.wait_s = self.history.wait_s - wait0
         out.draft_s = self.drafting.end()
         self._read_back(reads, job, out)
         after = [d for d in plan.drafts if d.after_verify and d.request_id not in out.errors]

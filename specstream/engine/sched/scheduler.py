@@ -71,10 +71,6 @@ class Scheduler:
         self.host_split = host_split or MeasuredSplit(config,
                                                       history_token_bytes * config.block_size)
         self.updates = Update(kv, frozenset(eos_token_ids), tokenizer, self._release)
-        self.block_bytes = history_token_bytes * config.block_size  # a block's KV, all layers
-        # the last estimates (the link's rate, whether rounds wait on it), the link bytes the
-        # last decode round left unused: what a prompt's write-back can ride along (``update``)
-        self._link_bps, self._link_bound, self._spare = 0.0, True, (0.0, 0.0)
 
     @classmethod
     def for_layout(cls, config: EngineConfig, layout: RuntimeLayout,
@@ -123,7 +119,6 @@ class Scheduler:
         """The next step's plan, from what is known of the machine (``est``; nothing
         measured when None)."""
         est = est or Estimates()
-        self._link_bps, self._link_bound = est.link_bps, est.link_bound
         self._copies += self.admission.admit(self.waiting, self.running)
         self.max_concurrency = max(self.max_concurrency, len(self.running))
         draft_s = None  # what drafting after a merged round would take, where sharing asks
@@ -254,15 +249,7 @@ class Scheduler:
             return ((req.request_id in after or self.groups.enabled)
                     and self.drafts.wants_drafts(req))
 
-        if plan.seqs and not any(w.prefill for w in plan.seqs):  # its wall, its cold bytes
-            tokens = sum(w.host_tokens for w in plan.seqs)
-            self._spare = (output.wall_s, tokens * self.block_bytes / self.config.block_size)
-        # where rounds wait on the link, a copy riding along them would lengthen them by as
-        # much as waiting for it now: only the link's time a round leaves unused takes one
-        wall, moved = self._spare
-        spare = 0.0 if self._link_bound else self._link_bps * wall - moved
-        return self.updates.apply(plan, output, self.requests, next_drafts,
-                                  max(1, int(spare / self.block_bytes)) if spare > 0 else None)
+        return self.updates.apply(plan, output, self.requests, next_drafts)
 
     def complete_writebacks(self, writebacks: dict[str, list[tuple[int, int]]],
                             errors: dict[str, str]) -> None:

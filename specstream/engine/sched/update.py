@@ -18,10 +18,9 @@ class StepUpdate:
 
     # Requests the step worked on, in plan order (finished ones included, reported once).
     touched: list[Request] = field(default_factory=list)
-    # A prefill chunk's full blocks: copied right after the step, then
-    # ``Scheduler.complete_writebacks`` frees them where the residency says so (the next chunk
-    # needs the room). Decode rounds' write-backs ride along the next step instead (see
-    # StepPlan.writebacks), and so does a finished prompt's under `fill`, which keeps them.
+    # Tail blocks that a prefill chunk pushed past the budget: copied right after the step,
+    # then ``Scheduler.complete_writebacks`` frees them (the next chunk needs the room; decode
+    # rounds' write-backs ride along the next step instead, see StepPlan.writebacks).
     writebacks: Writebacks = field(default_factory=dict)
     # Tokens appended to outputs (those past a stop are dropped).
     num_appended: int = 0
@@ -36,22 +35,14 @@ class Update:
                  tokenizer: TextCodec | None, on_finish: Callable[[Request], None]) -> None:
         self.kv, self.eos_token_ids, self.tokenizer = kv, eos_token_ids, tokenizer
         self.on_finish = on_finish
-        self._writeback_blocks: int | None = None  # the step's (``apply``)
 
     def apply(self, plan: StepPlan, output: StepOutput, requests: dict[str, Request],
-              next_drafts: Callable[[Request], bool],
-              writeback_blocks: int | None = None) -> StepUpdate:
+              next_drafts: Callable[[Request], bool]) -> StepUpdate:
         """Fold a step's output into its requests. A sampling request with neither tokens nor
         an error in the output did not run: it stays as it was and is scheduled again.
         ``next_drafts(req)``: whether a request that just verified drafts for its next round
-        (in this step, after verification, or while the other group verifies).
-        ``writeback_blocks``: the blocks of a request the link carries in the time a round
-        leaves it (None: not known, or the rounds wait on the link). Where given, a finished
-        prompt's write-back under `fill` rides along the rounds that follow, that many blocks
-        a round, instead of being waited for right after the step (the blocks stay on the
-        device meanwhile: nothing needs their room, and the rounds after do not wait on it)."""
+        (in this step, after verification, or while the other group verifies)."""
         result = StepUpdate()
-        self._writeback_blocks = writeback_blocks
         self.kv.release_pins()  # the step made its prefix-cache copies
         self.kv.device.free(list(plan.restore_blocks))
         for work in plan.seqs:  # promoted blocks the step's stream filled join the window
@@ -96,10 +87,8 @@ class Update:
             self._count_round(req, work, len(new))
         self._commit(work, req, len(new))
         result.num_appended += self._append(req, new, output.logprobs.get(rid))
-        limit = self._writeback_blocks
-        now = work.prefill and (limit is None or req.in_prefill or not self.kv.policy.fill)
-        pairs = [] if req.finished else self.kv.plan_writeback(rid, None if now else limit)
-        if pairs and now:
+        pairs = [] if req.finished else self.kv.plan_writeback(rid)
+        if pairs and work.prefill:
             result.writebacks[rid] = pairs
         if work.sample and not req.finished:
             req.needs_draft = next_drafts(req)
