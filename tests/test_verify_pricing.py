@@ -253,7 +253,7 @@ def test_rounds_that_drop_requests_and_stalls_together_leave_a_position_its_pric
         return 0.007 + 0.0032 * history + 0.001 * positions
 
     fit = PlaneFit(prior_b2=prior)
-    for i in range(30):  # 7 requests a round, 1K of history each, 10 ms of link stalls
+    for i in range(30):  # 7 requests a round, 1K of history each, 15 ms of link stalls
         positions = 4 if i % 10 == 3 else 7  # a probe now and then: 4 positions for 1 request
         history = 1.0 if positions == 4 else 7.0
         stall = 0.0 if positions == 4 else 0.015
